@@ -1,0 +1,196 @@
+"""Spawn N CPU ranks for a test, with a deadline, file-store rendezvous and one thread per rank.
+
+``run_ranks(fn, world_size, *args)`` starts ``world_size`` fresh interpreters (``spawn``), each of which
+joins a gloo process group through a ``file://`` store under a private temporary directory, sets
+``OMP_NUM_THREADS=1`` and calls ``fn(rank, world_size, *args)``. It returns the list of the ranks' return
+values, or raises ``RankFailure`` naming every rank that raised, died or hung past the deadline, with the
+rank's traceback. Whatever happens, every child is killed and reaped, and the private shared-memory
+directory the ranks used (``MEGATRON_ODC_SHM_DIR``) is removed.
+
+``fn`` must be a module-level function (it is pickled); so must ``args``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import pickle
+import shutil
+import tempfile
+import time
+import traceback
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+SHM_ROOT = Path("/dev/shm")
+_GRACE_AFTER_FAILURE_S = 10.0
+
+
+class RankFailure(AssertionError):
+    """One or more ranks raised, died or hung; the message names each of them."""
+
+
+def _child(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    args: tuple,
+    store_path: str,
+    result_path: str,
+    backend: str,
+    pg_timeout_s: float,
+) -> None:
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    outcome: tuple[str, Any]
+    try:
+        dist.init_process_group(
+            backend,
+            init_method=f"file://{store_path}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=pg_timeout_s),
+        )
+        try:
+            outcome = ("ok", fn(rank, world_size, *args))
+        finally:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+    except BaseException as exc:
+        outcome = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    tmp = result_path + ".tmp"
+    with open(tmp, "wb") as f:
+        pickle.dump(outcome, f)
+    os.replace(tmp, result_path)
+
+
+def _remove_tree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 180.0,
+    backend: str = "gloo",
+    pg_timeout_s: float = 60.0,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return their results.
+
+    Args:
+        fn: module-level function run by each rank after the process group is up.
+        world_size: number of ranks.
+        *args: picklable extra arguments for ``fn``.
+        timeout_s: deadline for the whole run; ranks still alive then are killed and named as hung.
+        backend: torch.distributed backend.
+        pg_timeout_s: the process group's own timeout for collectives.
+        env: extra environment variables for the children.
+
+    Raises:
+        RankFailure: a rank raised, exited without a result, or hung past ``timeout_s``.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    run_id = uuid.uuid4().hex[:12]
+    workdir = Path(tempfile.mkdtemp(prefix=f"odc-test-{run_id}-"))
+    shm_dir = SHM_ROOT / f"megatron_odc_test_{run_id}"
+    shm_dir.mkdir()
+    child_env = {"OMP_NUM_THREADS": "1", "MEGATRON_ODC_SHM_DIR": str(shm_dir), **(env or {})}
+    saved_env = {k: os.environ.get(k) for k in child_env}
+    procs: list[multiprocessing.Process] = []
+    result_paths = [str(workdir / f"rank{r}.pkl") for r in range(world_size)]
+    try:
+        os.environ.update(child_env)
+        try:
+            for rank in range(world_size):
+                p = ctx.Process(
+                    target=_child,
+                    args=(
+                        fn,
+                        rank,
+                        world_size,
+                        args,
+                        str(workdir / "store"),
+                        result_paths[rank],
+                        backend,
+                        pg_timeout_s,
+                    ),
+                    name=f"rank{rank}",
+                    daemon=True,
+                )
+                p.start()
+                procs.append(p)
+        finally:
+            for k, v in saved_env.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        return _collect(procs, result_paths, timeout_s)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join(timeout=10)
+        _remove_tree(shm_dir)
+        _remove_tree(workdir)
+
+
+def _read_result(path: str) -> tuple[str, Any] | None:
+    if not os.path.exists(path):
+        return None
+    with open(path, "rb") as f:
+        return pickle.load(f)
+
+
+def _collect(
+    procs: list[multiprocessing.Process], result_paths: list[str], timeout_s: float
+) -> list[Any]:
+    deadline = time.monotonic() + timeout_s
+    first_failure_at: float | None = None
+    while True:
+        alive = [p for p in procs if p.is_alive()]
+        if not alive:
+            break
+        now = time.monotonic()
+        failed = any(
+            not p.is_alive() and (p.exitcode != 0 or _read_result(rp) is None or _read_result(rp)[0] != "ok")
+            for p, rp in zip(procs, result_paths)
+        )
+        if failed and first_failure_at is None:
+            first_failure_at = now
+        if now > deadline or (
+            first_failure_at is not None and now - first_failure_at > _GRACE_AFTER_FAILURE_S
+        ):
+            break
+        time.sleep(0.05)
+
+    problems: list[str] = []
+    results: list[Any] = []
+    for rank, (p, rp) in enumerate(zip(procs, result_paths)):
+        if p.is_alive():
+            reason = "past the deadline" if first_failure_at is None else "after another rank failed"
+            problems.append(f"rank {rank} hung ({reason}; killed after {timeout_s:.0f} s budget)")
+            results.append(None)
+            continue
+        outcome = _read_result(rp)
+        if outcome is None:
+            problems.append(f"rank {rank} died with exit code {p.exitcode} and no result")
+            results.append(None)
+        elif outcome[0] == "error":
+            problems.append(f"rank {rank} raised {outcome[1]}")
+            results.append(None)
+        else:
+            results.append(outcome[1])
+    if problems:
+        raise RankFailure("\n".join(problems))
+    return results

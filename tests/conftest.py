@@ -1,0 +1,39 @@
+"""Test-session setup: gpu and slow markers, and a check that no test leaves ODC shared memory behind."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--runslow", action="store_true", help="run tests marked slow")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
+
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    skip_slow = pytest.mark.skip(reason="slow: pass --runslow")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
+        if "slow" in item.keywords and not config.getoption("--runslow"):
+            item.add_marker(skip_slow)
+
+
+def _odc_shm_entries() -> set[str]:
+    root = Path("/dev/shm")
+    return {p.name for p in root.iterdir() if "megatron_odc" in p.name} if root.exists() else set()
+
+
+@pytest.fixture(autouse=True)
+def _no_shm_left_behind():
+    before = _odc_shm_entries()
+    yield
+    left = _odc_shm_entries() - before
+    assert not left, f"test left shared-memory entries behind: {sorted(left)}"
