@@ -1,0 +1,412 @@
+"""Per-minibatch microbatch plans: which DP rank runs which samples, in which microbatches.
+
+Owns :class:`Plan` and :func:`make_plan`. A plan is a pure function of (kind, sample ids, lengths, DP size, cap,
+cost model, too_long policy), so every rank computes the same plan with no communication. Plans also predict
+their bubble rate under the cost model for an ODC schedule and for a lockstep (collective) schedule; see
+[Note: bubble rates]. Pure Python; imports neither torch nor megatron.
+
+[Note: plan kinds]
+- ``lb_mini`` (ODC): KK + refine over the whole minibatch into ``dp_size`` parts of balanced cost (sample counts
+  may differ; a rank may get no sample). Each rank packs its part into microbatches under the cap: first-fit-
+  decreasing by tokens gives the count k, then the k microbatches are re-balanced by cost (KK + cap repair +
+  refine, or FFD + refine, whichever has the lighter heaviest microbatch).
+- ``lb_micro`` (collective baseline): every rank runs the same number M of microbatches, the smallest M for
+  which the packer finds ``dp_size * M`` microbatches under the cap. The samples are split into those
+  microbatches by cost (KK + refine under the cap), the microbatches sorted by cost and dealt in rounds of
+  ``dp_size``, heaviest round first, each microbatch of a round to the rank with the lightest running total.
+  Only when there are fewer samples than ``dp_size * M`` does a rank get an empty microbatch (an empty tuple):
+  it still runs that slot (a forward/backward on no tokens) so the collective counts match.
+- ``local_sort`` (LongAlign's sorted batching): rank r takes the r-th contiguous slice of the given order
+  (counts differ by at most one), sorted by length descending, one sample per microbatch.
+- ``round_robin``: sample i of the given order goes to rank ``i % dp_size``, packed first-fit in that order.
+In every plan a rank's microbatches are ordered heaviest first (cost, then first sample position), and a
+sample longer than the cap is, by ``too_long``, an error, truncated to the cap, or put alone in its own
+microbatch (the only case where a microbatch exceeds the cap). No sample is ever dropped.
+
+[Note: bubble rates]
+With c_r the cost of rank r's microbatches and N ranks:
+- ODC: ranks synchronize once per minibatch, so T = max_r sum(c_r); bubble = sum_r (T - sum(c_r)) / (N * T).
+- Lockstep: collectives put a barrier at every layer of every microbatch, so microbatch index i takes
+  t_i = max_r c_r[i] (0 for a rank without an i-th microbatch); T = sum_i t_i;
+  bubble = sum_r (T - sum(c_r)) / (N * T). Per-layer barriers scale every layer by the same factor under this
+  cost model, so the per-layer max equals the per-microbatch max.
+Both ignore communication time and kernel efficiency: they are the imbalance bubbles of the cost model, as in
+the ODC paper's Table 6.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+
+from megatron_odc.balance.cost import CostModel
+from megatron_odc.balance.partition import (
+    balanced_partition,
+    first_fit_decreasing,
+    karmarkar_karp,
+    part_costs,
+    refine,
+    repair_cap,
+)
+
+__all__ = ["PLAN_KINDS", "TOO_LONG_POLICIES", "Plan", "make_plan"]
+
+PLAN_KINDS = ("lb_mini", "lb_micro", "local_sort", "round_robin")
+TOO_LONG_POLICIES = ("error", "truncate", "alone")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The microbatches of every DP rank for one minibatch (see [Note: plan kinds]).
+
+    Attributes:
+        kind: one of :data:`PLAN_KINDS`.
+        dp_size: number of DP ranks.
+        cap_tokens: token cap per microbatch, or ``None`` for no cap.
+        microbatches: ``[dp_rank][microbatch] -> sample ids``, heaviest microbatch first.
+        lengths: sample id -> length as planned (after truncation).
+        cost_model: the cost model the plan was balanced with.
+    """
+
+    kind: str
+    dp_size: int
+    cap_tokens: int | None
+    microbatches: tuple[tuple[tuple[int, ...], ...], ...]
+    lengths: Mapping[int, int]
+    cost_model: CostModel
+
+    def __post_init__(self) -> None:
+        if self.kind not in PLAN_KINDS:
+            raise ValueError(f"plan kind must be one of {PLAN_KINDS}, got {self.kind!r}")
+        if len(self.microbatches) != self.dp_size:
+            raise ValueError(
+                f"plan has microbatches for {len(self.microbatches)} ranks, dp_size={self.dp_size}"
+            )
+
+    def rank_microbatches(self, dp_rank: int) -> tuple[tuple[int, ...], ...]:
+        """Returns the microbatches (tuples of sample ids) of ``dp_rank``, heaviest first."""
+        if not 0 <= dp_rank < self.dp_size:
+            raise ValueError(f"dp_rank={dp_rank} is outside [0, dp_size={self.dp_size})")
+        return self.microbatches[dp_rank]
+
+    def num_microbatches(self) -> list[int]:
+        """Returns the number of microbatches of each rank."""
+        return [len(mbs) for mbs in self.microbatches]
+
+    def sample_ids(self) -> list[int]:
+        """Returns every planned sample id, rank by rank, microbatch by microbatch."""
+        return [sid for mbs in self.microbatches for mb in mbs for sid in mb]
+
+    def microbatch_costs(self, dp_rank: int) -> list[float]:
+        """Returns the cost of each microbatch of ``dp_rank``."""
+        model = self.cost_model
+        return [
+            math.fsum(model.sample_cost(self.lengths[sid]) for sid in mb)
+            for mb in self.rank_microbatches(dp_rank)
+        ]
+
+    def rank_costs(self) -> list[float]:
+        """Returns the total cost of each rank."""
+        return [math.fsum(self.microbatch_costs(r)) for r in range(self.dp_size)]
+
+    def rank_tokens(self) -> list[int]:
+        """Returns the planned tokens of each rank."""
+        return [sum(self.lengths[sid] for mb in mbs for sid in mb) for mbs in self.microbatches]
+
+    def bubble_odc(self) -> float:
+        """Returns the ODC-schedule bubble rate (see [Note: bubble rates])."""
+        totals = self.rank_costs()
+        longest = max(totals)
+        if longest <= 0:
+            return 0.0
+        return math.fsum(longest - t for t in totals) / (self.dp_size * longest)
+
+    def lockstep_time(self) -> float:
+        """Returns the lockstep-schedule time: sum over microbatch index of the max cost over ranks."""
+        per_rank = [self.microbatch_costs(r) for r in range(self.dp_size)]
+        depth = max(len(c) for c in per_rank)
+        return math.fsum(max(c[i] if i < len(c) else 0.0 for c in per_rank) for i in range(depth))
+
+    def bubble_lockstep(self) -> float:
+        """Returns the lockstep-schedule bubble rate (see [Note: bubble rates])."""
+        total = self.lockstep_time()
+        if total <= 0:
+            return 0.0
+        return math.fsum(total - t for t in self.rank_costs()) / (self.dp_size * total)
+
+    def metrics(self) -> dict:
+        """Returns balance metrics of the plan.
+
+        Keys: ``kind``, ``dp_size``, ``num_samples``, ``max_cost``, ``mean_cost``, ``min_cost``, ``spread``
+        (max - min cost), ``imbalance_ratio`` (max / mean cost), ``tokens_per_rank``, ``sum_sq_tokens_per_rank``
+        (sum of s**2 per rank), ``num_microbatches_per_rank``, ``max_microbatch_tokens``, ``odc_time``
+        (max rank cost), ``lockstep_time``, ``bubble_odc``, ``bubble_lockstep``.
+        """
+        costs = self.rank_costs()
+        mean = math.fsum(costs) / self.dp_size
+        mb_tokens = [sum(self.lengths[s] for s in mb) for mbs in self.microbatches for mb in mbs]
+        return {
+            "kind": self.kind,
+            "dp_size": self.dp_size,
+            "num_samples": len(self.lengths),
+            "max_cost": max(costs),
+            "mean_cost": mean,
+            "min_cost": min(costs),
+            "spread": max(costs) - min(costs),
+            "imbalance_ratio": max(costs) / mean if mean > 0 else 1.0,
+            "tokens_per_rank": self.rank_tokens(),
+            "sum_sq_tokens_per_rank": [
+                sum(self.lengths[s] ** 2 for mb in mbs for s in mb) for mbs in self.microbatches
+            ],
+            "num_microbatches_per_rank": self.num_microbatches(),
+            "max_microbatch_tokens": max(mb_tokens, default=0),
+            "odc_time": max(costs),
+            "lockstep_time": self.lockstep_time(),
+            "bubble_odc": self.bubble_odc(),
+            "bubble_lockstep": self.bubble_lockstep(),
+        }
+
+
+def make_plan(
+    kind: str,
+    sample_ids: Sequence[int],
+    lengths: Sequence[int],
+    dp_size: int,
+    *,
+    cap_tokens: int | None,
+    cost_model: CostModel,
+    too_long: str = "error",
+) -> Plan:
+    """Plans one minibatch (see [Note: plan kinds]).
+
+    Args:
+        kind: one of :data:`PLAN_KINDS`.
+        sample_ids: distinct sample ids of the minibatch, in order (the order matters for ``local_sort`` and
+            ``round_robin``, and for tie-breaking).
+        lengths: token length of each sample, aligned with ``sample_ids``.
+        dp_size: number of DP ranks.
+        cap_tokens: token cap per microbatch, or ``None`` for no cap.
+        cost_model: per-sample cost model.
+        too_long: what to do with a sample longer than ``cap_tokens``: ``"error"`` (ValueError), ``"truncate"``
+            (plan it at ``cap_tokens`` tokens) or ``"alone"`` (its own microbatch, over the cap).
+
+    Returns:
+        The plan; identical on every rank for identical inputs.
+
+    Raises:
+        ValueError: an argument is invalid, or a sample is longer than the cap with ``too_long="error"``.
+    """
+    if kind not in PLAN_KINDS:
+        raise ValueError(f"plan kind must be one of {PLAN_KINDS}, got {kind!r}")
+    if too_long not in TOO_LONG_POLICIES:
+        raise ValueError(f"too_long must be one of {TOO_LONG_POLICIES}, got {too_long!r}")
+    if dp_size < 1:
+        raise ValueError(f"dp_size must be >= 1, got {dp_size}")
+    if cap_tokens is not None and cap_tokens < 1:
+        raise ValueError(f"cap_tokens must be >= 1 or None, got {cap_tokens}")
+    if len(sample_ids) != len(lengths):
+        raise ValueError(f"got {len(sample_ids)} sample ids but {len(lengths)} lengths")
+    if len(set(sample_ids)) != len(sample_ids):
+        seen: set[int] = set()
+        dup = next(s for s in sample_ids if s in seen or seen.add(s))
+        raise ValueError(f"sample id {dup} appears more than once in the minibatch")
+
+    tokens: list[int] = []
+    oversize: set[int] = set()  # positions planned alone over the cap
+    for pos, (sid, length) in enumerate(zip(sample_ids, lengths, strict=True)):
+        if length < 0:
+            raise ValueError(f"sample {sid} has negative length {length}")
+        if cap_tokens is not None and length > cap_tokens:
+            if too_long == "error":
+                raise ValueError(
+                    f"sample {sid} has length {length} > cap_tokens={cap_tokens}; "
+                    "pass too_long='truncate' or too_long='alone'"
+                )
+            if too_long == "truncate":
+                length = cap_tokens
+            else:
+                oversize.add(pos)
+        tokens.append(int(length))
+    costs = cost_model.costs(tokens)
+
+    if kind == "lb_mini":
+        per_rank = _plan_lb_mini(costs, tokens, dp_size, cap_tokens, oversize)
+    elif kind == "lb_micro":
+        per_rank = _plan_lb_micro(costs, tokens, dp_size, cap_tokens, oversize)
+    elif kind == "local_sort":
+        per_rank = _plan_local_sort(tokens, dp_size)
+    else:
+        per_rank = _plan_round_robin(costs, tokens, dp_size, cap_tokens, oversize)
+
+    microbatches = tuple(
+        tuple(tuple(sample_ids[pos] for pos in sorted(mb)) for mb in mbs) for mbs in per_rank
+    )
+    plan = Plan(
+        kind=kind,
+        dp_size=dp_size,
+        cap_tokens=cap_tokens,
+        microbatches=microbatches,
+        lengths=dict(zip(sample_ids, tokens, strict=True)),
+        cost_model=cost_model,
+    )
+    assert sorted(plan.sample_ids()) == sorted(sample_ids), "plan lost or duplicated a sample"
+    return plan
+
+
+# Helpers work on positions 0..n-1 of the minibatch; make_plan maps them back to sample ids.
+
+
+def _heaviest_first(costs: Sequence[float], mbs: list[list[int]]) -> list[list[int]]:
+    """Orders microbatches by cost descending, then by first position; empty ones last."""
+    return sorted(mbs, key=lambda mb: (-math.fsum(costs[i] for i in mb), min(mb, default=math.inf)))
+
+
+def _fill_empty(costs: Sequence[float], parts: list[list[int]]) -> list[list[int]]:
+    """Gives every empty part one item while another part has two or more.
+
+    The cheapest item of the part with the most items moves, so the heaviest part never gets heavier.
+    """
+    parts = [list(p) for p in parts]
+    for j in range(len(parts)):
+        if parts[j]:
+            continue
+        donor = max(range(len(parts)), key=lambda d: (len(parts[d]), -d))
+        if len(parts[donor]) < 2:
+            break
+        item = min(parts[donor], key=lambda i: (costs[i], i))
+        parts[donor].remove(item)
+        parts[j].append(item)
+    return parts
+
+
+def _pack_k(
+    costs: Sequence[float], tokens: Sequence[int], items: Sequence[int], k: int, cap_tokens: int
+) -> list[list[int]] | None:
+    """Splits ``items`` into ``k`` microbatches under the cap, balanced by cost; ``None`` if not found.
+
+    Two candidates: KK by cost (repaired under the cap if needed) and FFD by tokens (if it needs at most k bins),
+    both refined by cost under the cap; the one with the lighter heaviest microbatch wins (KK on ties).
+    """
+    sub_costs = [costs[i] for i in items]
+    sub_tokens = [tokens[i] for i in items]
+    candidates = []
+    kk = karmarkar_karp(sub_costs, k)
+    if any(sum(sub_tokens[i] for i in p) > cap_tokens for p in kk):
+        kk = repair_cap(sub_costs, sub_tokens, kk, cap_tokens)
+    if kk is not None:
+        candidates.append(kk)
+    ffd = first_fit_decreasing(sub_tokens, cap_tokens)
+    if len(ffd) <= k:
+        candidates.append(ffd + [[] for _ in range(k - len(ffd))])
+    best: list[list[int]] | None = None
+    best_max = math.inf
+    for parts in candidates:
+        parts = refine(sub_costs, parts, tokens=sub_tokens, cap_tokens=cap_tokens)
+        parts = _fill_empty(sub_costs, parts)
+        heaviest = max(part_costs(sub_costs, parts), default=0.0)
+        if heaviest < best_max:
+            best, best_max = parts, heaviest
+    if best is None:
+        return None
+    assert all(sum(sub_tokens[i] for i in p) <= cap_tokens for p in best), "packer broke the cap"
+    return [[items[i] for i in p] for p in best]
+
+
+def _pack_rank(
+    costs: Sequence[float],
+    tokens: Sequence[int],
+    items: Sequence[int],
+    cap_tokens: int | None,
+    oversize: set[int],
+) -> list[list[int]]:
+    """Packs one rank's samples into the fewest microbatches FFD finds, balanced by cost, heaviest first."""
+    alone = [[i] for i in items if i in oversize]
+    rest = [i for i in items if i not in oversize]
+    if not rest:
+        packed: list[list[int]] = []
+    elif cap_tokens is None:
+        packed = [list(rest)]
+    else:
+        num_mbs = len(first_fit_decreasing([tokens[i] for i in rest], cap_tokens))
+        packed = _pack_k(costs, tokens, rest, num_mbs, cap_tokens)
+        assert packed is not None, "FFD's own packing is always a candidate"
+    return _heaviest_first(costs, alone + packed)
+
+
+def _plan_lb_mini(costs, tokens, dp_size, cap_tokens, oversize) -> list[list[list[int]]]:
+    parts = balanced_partition(costs, dp_size)
+    return [_pack_rank(costs, tokens, part, cap_tokens, oversize) for part in parts]
+
+
+def _plan_lb_micro(costs, tokens, dp_size, cap_tokens, oversize) -> list[list[list[int]]]:
+    n = len(costs)
+    if n == 0:
+        return [[] for _ in range(dp_size)]
+    alone = [[i] for i in range(n) if i in oversize]
+    rest = [i for i in range(n) if i not in oversize]
+    if cap_tokens is None:
+        num_per_rank = 1
+        packed = [[rest[i] for i in p] for p in karmarkar_karp([costs[i] for i in rest], dp_size)]
+        packed = _fill_empty(costs, packed)
+    else:
+        lower = len(alone) + math.ceil(sum(tokens[i] for i in rest) / cap_tokens)
+        num_per_rank = max(1, math.ceil(lower / dp_size))
+        while True:
+            num_free = dp_size * num_per_rank - len(alone)
+            if num_free >= 1 or not rest:
+                found = _pack_k(costs, tokens, rest, max(num_free, 0), cap_tokens) if rest else []
+                if found is not None:
+                    packed = found + [[] for _ in range(num_free - len(found))]
+                    break
+            num_per_rank += 1
+    mbs = _heaviest_first(costs, alone + packed)
+    assert len(mbs) == dp_size * num_per_rank
+    per_rank: list[list[list[int]]] = [[] for _ in range(dp_size)]
+    totals = [0.0] * dp_size
+    for start in range(0, len(mbs), dp_size):
+        # Round of dp_size microbatches (already heaviest first): each to the lightest rank so far.
+        free_ranks = list(range(dp_size))
+        for mb in mbs[start : start + dp_size]:
+            r = min(free_ranks, key=lambda r: (totals[r], r))
+            free_ranks.remove(r)
+            per_rank[r].append(mb)
+            totals[r] += math.fsum(costs[i] for i in mb)
+    return per_rank
+
+
+def _plan_local_sort(tokens, dp_size) -> list[list[list[int]]]:
+    n = len(tokens)
+    base, extra = divmod(n, dp_size)
+    per_rank = []
+    start = 0
+    for r in range(dp_size):
+        count = base + (1 if r < extra else 0)
+        chunk = sorted(range(start, start + count), key=lambda i: (-tokens[i], i))
+        per_rank.append([[i] for i in chunk])
+        start += count
+    return per_rank
+
+
+def _plan_round_robin(costs, tokens, dp_size, cap_tokens, oversize) -> list[list[list[int]]]:
+    per_rank = []
+    for r in range(dp_size):
+        mbs: list[list[int]] = []
+        used: list[int] = []
+        for i in range(r, len(tokens), dp_size):
+            if i in oversize:
+                mbs.append([i])
+                used.append(-1)  # closed: nothing joins an oversize sample
+                continue
+            for j, used_tokens in enumerate(used):
+                if used_tokens >= 0 and (
+                    cap_tokens is None or used_tokens + tokens[i] <= cap_tokens
+                ):
+                    mbs[j].append(i)
+                    used[j] += tokens[i]
+                    break
+            else:
+                mbs.append([i])
+                used.append(tokens[i])
+        per_rank.append(_heaviest_first(costs, mbs))
+    return per_rank

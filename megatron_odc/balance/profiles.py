@@ -1,0 +1,93 @@
+"""Sample-length profiles for offline planning: the shared profile file and plain length lists.
+
+Owns where the profile file is found (``--profiles-file``, else env ``MEGATRON_ODC_PROFILES``, else
+``<repo>/../shared/data/length_profiles.json``) and how lengths are read. A profile file is a JSON object
+``{name: {"lengths": [int, ...], ...}}``. Entry points: :func:`load_profile_lengths`, :func:`load_lengths_file`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+__all__ = [
+    "PROFILES_ENV",
+    "default_profiles_path",
+    "load_lengths_file",
+    "load_profile_lengths",
+    "load_profiles",
+]
+
+PROFILES_ENV = "MEGATRON_ODC_PROFILES"
+
+
+def default_profiles_path() -> Path:
+    """Returns ``$MEGATRON_ODC_PROFILES`` if set, else ``<repo>/../shared/data/length_profiles.json``."""
+    env = os.environ.get(PROFILES_ENV)
+    if env:
+        return Path(env)
+    repo = Path(__file__).resolve().parents[2]
+    return repo.parent / "shared" / "data" / "length_profiles.json"
+
+
+def _check_lengths(lengths: object, where: str) -> list[int]:
+    if not isinstance(lengths, list) or not lengths:
+        raise ValueError(f"{where}: expected a non-empty list of lengths")
+    for i, length in enumerate(lengths):
+        if isinstance(length, bool) or not isinstance(length, int) or length < 0:
+            raise ValueError(f"{where}: length {i} must be a non-negative integer, got {length!r}")
+    return list(lengths)
+
+
+def load_profiles(path: str | os.PathLike | None = None) -> dict[str, dict]:
+    """Reads a profile file.
+
+    Args:
+        path: the file; ``None`` means :func:`default_profiles_path`.
+
+    Returns:
+        Profile name -> profile dict (with at least ``"lengths"``).
+
+    Raises:
+        ValueError: the file is missing or malformed.
+    """
+    file = Path(path) if path is not None else default_profiles_path()
+    if not file.is_file():
+        raise ValueError(
+            f"length profile file {file} not found; pass --profiles-file or set {PROFILES_ENV}"
+        )
+    data = json.loads(file.read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"{file}: expected a JSON object of profiles")
+    for name, profile in data.items():
+        if not isinstance(profile, dict) or "lengths" not in profile:
+            raise ValueError(f"{file}: profile {name!r} has no 'lengths'")
+    return data
+
+
+def load_profile_lengths(name: str, path: str | os.PathLike | None = None) -> list[int]:
+    """Returns the sample lengths of profile ``name`` (see :func:`load_profiles` for ``path``)."""
+    profiles = load_profiles(path)
+    if name not in profiles:
+        raise ValueError(f"unknown profile {name!r}; the file has {sorted(profiles)}")
+    return _check_lengths(profiles[name]["lengths"], f"profile {name!r}")
+
+
+def load_lengths_file(path: str | os.PathLike) -> list[int]:
+    """Reads lengths from a JSON list or from a text file with one integer per line (blank lines ignored)."""
+    file = Path(path)
+    if not file.is_file():
+        raise ValueError(f"lengths file {file} not found")
+    text = file.read_text()
+    if text.lstrip().startswith("["):
+        return _check_lengths(json.loads(text), str(file))
+    lengths = []
+    for line_no, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            lengths.append(int(line.strip()))
+        except ValueError:
+            raise ValueError(f"{file}:{line_no}: not an integer length: {line.strip()!r}") from None
+    return _check_lengths(lengths, str(file))
