@@ -1,0 +1,45 @@
+"""Variable-length SFT data for ODC: tokenisation, length-balanced sampling, packing, loss weights.
+
+Entry points: :class:`LengthBalancedSampler` (this rank's microbatches of each minibatch, from a plan
+every rank computes alone), :class:`SFTDataset` / :func:`make_synthetic_sft` (JSONL samples with
+response-only loss masks), :func:`load_tokenizer` / :class:`ByteTokenizer`, and
+:func:`pack_microbatch`, :func:`loss_weights`, :func:`global_loss_token_count` (one packed sequence
+per microbatch with ``cu_seqlens``, and per-token weights giving the exact global per-token mean).
+Nothing in this package imports megatron.
+"""
+
+from megatron_odc.data.packing import (
+    PackedMicrobatch,
+    global_loss_token_count,
+    load_microbatch,
+    loss_weights,
+    pack_microbatch,
+)
+from megatron_odc.data.sampler import LengthBalancedSampler, MinibatchAssignment
+from megatron_odc.data.sft import (
+    SFTDataset,
+    SFTSample,
+    make_synthetic_sft,
+    read_jsonl,
+    tokenize_conversation,
+)
+from megatron_odc.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+
+__all__ = [
+    "ByteTokenizer",
+    "HFTokenizer",
+    "LengthBalancedSampler",
+    "MinibatchAssignment",
+    "PackedMicrobatch",
+    "SFTDataset",
+    "SFTSample",
+    "Tokenizer",
+    "global_loss_token_count",
+    "load_microbatch",
+    "load_tokenizer",
+    "loss_weights",
+    "make_synthetic_sft",
+    "pack_microbatch",
+    "read_jsonl",
+    "tokenize_conversation",
+]
