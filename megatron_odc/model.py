@@ -1,0 +1,130 @@
+"""Small megatron-core GPT models for tests and benchmarks: a config dataclass and a deterministic builder.
+
+The builder uses the local layer spec (``get_gpt_layer_local_spec()``, no TransformerEngine) and CPU
+weight initialisation, so a model built from the same seed holds the same *full* weights under every
+tensor-parallel layout (each TP layer draws its full master weight from the CPU generator and keeps its
+partition). On CPU, apply :func:`megatron_odc.patches.cpu.apply_cpu_patches` first.
+``megatron.core.parallel_state.initialize_model_parallel(...)`` must have run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.transformer_config import TransformerConfig
+from torch.nn import functional
+
+
+@dataclasses.dataclass
+class GPTConfig:
+    """Shape and numerics of a small GPT.
+
+    Attributes:
+        num_layers: transformer layers.
+        hidden_size: model width.
+        num_attention_heads: attention heads (divisible by the TP size).
+        ffn_hidden_size: MLP width; None means 4 * hidden_size.
+        vocab_size: vocabulary size (divisible by the TP size; no padding is added).
+        seq_length: maximum sequence length (learned position embeddings use it).
+        params_dtype: dtype of the parameters.
+        bf16: bf16 mixed precision flag passed to TransformerConfig.
+        fp16: fp16 mixed precision flag passed to TransformerConfig.
+        sequence_parallel: Megatron sequence parallelism (needs TP > 1 and the CPU norm shim on CPU).
+        share_embeddings_and_output_weights: tie the word embedding and the output layer.
+        position_embedding_type: "rope" or "learned_absolute".
+        normalization: "LayerNorm" or "RMSNorm".
+        init_method_std: std of the normal weight init.
+        calculate_per_token_loss: Megatron's per-token loss contract (finalize divides by global tokens).
+        hidden_dropout: dropout after attention and MLP.
+        attention_dropout: dropout of attention probabilities.
+        swiglu: gated SiLU MLP (fc1 holds [gate; up], TP-split with stride 2).
+        add_bias_linear: biases on the linear layers.
+    """
+
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    ffn_hidden_size: int | None = None
+    vocab_size: int = 256
+    seq_length: int = 64
+    params_dtype: torch.dtype = torch.float32
+    bf16: bool = False
+    fp16: bool = False
+    sequence_parallel: bool = False
+    share_embeddings_and_output_weights: bool = True
+    position_embedding_type: str = "rope"
+    normalization: str = "LayerNorm"
+    init_method_std: float = 0.02
+    calculate_per_token_loss: bool = True
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    swiglu: bool = False
+    add_bias_linear: bool = True
+
+
+def transformer_config(cfg: GPTConfig) -> TransformerConfig:
+    """Build the TransformerConfig for ``cfg`` with the current TP size and CPU-safe options.
+
+    Raises:
+        ValueError: heads or vocabulary not divisible by the TP size, or sequence parallelism at TP=1.
+    """
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    if cfg.num_attention_heads % tp_size:
+        raise ValueError(
+            f"num_attention_heads={cfg.num_attention_heads} is not divisible by TP size {tp_size}"
+        )
+    if cfg.vocab_size % tp_size:
+        raise ValueError(f"vocab_size={cfg.vocab_size} is not divisible by TP size {tp_size}")
+    if cfg.sequence_parallel and tp_size == 1:
+        raise ValueError("sequence_parallel=True needs a tensor-parallel size > 1")
+    return TransformerConfig(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        tensor_model_parallel_size=tp_size,
+        sequence_parallel=cfg.sequence_parallel,
+        params_dtype=cfg.params_dtype,
+        pipeline_dtype=cfg.params_dtype,
+        bf16=cfg.bf16,
+        fp16=cfg.fp16,
+        normalization=cfg.normalization,
+        init_method_std=cfg.init_method_std,
+        calculate_per_token_loss=cfg.calculate_per_token_loss,
+        hidden_dropout=cfg.hidden_dropout,
+        attention_dropout=cfg.attention_dropout,
+        gated_linear_unit=cfg.swiglu,
+        activation_func=functional.silu if cfg.swiglu else functional.gelu,
+        add_bias_linear=cfg.add_bias_linear,
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+    )
+
+
+def build_gpt_model(cfg: GPTConfig, seed: int) -> GPTModel:
+    """Build a GPTModel on the local spec, deterministic given ``seed`` and the TP layout.
+
+    Reseeds the model-parallel RNG trackers and the CPU generator with ``seed``. Under any TP size the
+    TP partitions are slices of the same full weights (CPU initialisation draws each full weight).
+    """
+    model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(seed)
+    config = transformer_config(cfg)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization=cfg.normalization),
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.seq_length,
+        share_embeddings_and_output_weights=cfg.share_embeddings_and_output_weights,
+        position_embedding_type=cfg.position_embedding_type,
+    )

@@ -1,0 +1,374 @@
+"""CPU runtime for megatron-core 0.16.x: explicit, reversible patches so its CUDA-only code runs under gloo.
+
+megatron-core assumes a CUDA device in a handful of places that have nothing to do with the maths. This
+module replaces exactly those places, only when :func:`apply_cpu_patches` is called (never on import),
+and puts every replaced attribute back on :meth:`CpuPatches.revert`. With the patches applied, a
+``GPTModel`` built from ``get_gpt_layer_local_spec()`` with ``use_cpu_initialization=True`` trains with
+tensor and sequence parallelism, megatron-core's own ``DistributedDataParallel`` (with or without the
+distributed optimizer), ``get_megatron_optimizer`` (torch Adam fallback),
+``forward_backward_no_pipelining`` and ``finalize_model_grads`` on CPU ranks joined by gloo.
+
+What each patch is for (shim numbers as in ``docs/megatron.md`` section 4):
+
+1. ``torch.cuda.current_device`` -> ``"cpu"``. Used as a ``device=`` argument by the TP mappings and
+   layers (``tensor_parallel.mappings`` / ``layers``: all-gather and reduce-scatter outputs), by
+   ``tensor_parallel.utils`` and by ``distributed.param_and_grad_buffer`` (the flat param/grad buffers).
+2. RNG: ``torch.cuda.manual_seed`` / ``get_rng_state`` / ``set_rng_state`` and
+   ``megatron.core.tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state`` -> the CPU
+   generator. ``model_parallel_cuda_manual_seed`` and ``CudaRNGStatesTracker.add`` / ``fork`` (entered by
+   the local attention for dropout and by CPU weight init of the TP layers) need them. The two private
+   names are bound only in ``tensor_parallel.random`` itself (Megatron-FSDP keeps its own copies, which
+   this runtime does not use), so that is the only module patched for them. Because CPU and "CUDA"
+   RNG are now the same generator, ``fork()`` may log "CPU RNG state changed within GPU RNG context";
+   that message is harmless here. ``torch.cuda.manual_seed_all`` is left alone: megatron-core does not
+   call it, ``torch.manual_seed`` does (so a replacement that seeds the CPU would recurse), and on a
+   CPU build the original only queues a lazy no-op.
+3. A device-remap ``torch.overrides.TorchFunctionMode`` (:class:`DeviceRemapMode`) that rewrites
+   ``device="cuda..."`` (a string, a ``torch.device`` or, as a keyword, an int index) to ``"cpu"`` in
+   any torch call, drops ``pin_memory=True`` and makes ``Tensor.pin_memory()`` an identity. It covers
+   literal ``"cuda"`` allocations that no attribute patch can reach: ``schedules.
+   forward_backward_no_pipelining`` (``total_num_tokens``), ``MixedPrecisionOptimizer`` /
+   ``FP32Optimizer`` (``found_inf``, ``_scale``), the grad scalers, ``optimizer.clip_grads``,
+   ``utils.local_multi_tensor_l2_norm``, ``transformer.utils.get_default_causal_mask`` and
+   ``param_and_grad_buffer``'s warm-up tensor. See Verified by removing one patch at a time from a TP=2 + SP + distributed-optimizer train step: without
+1, the ``get_rng_state`` patches, ``_get_cuda_rng_state``, 3 or 7 it fails ("Torch not compiled with
+CUDA enabled" / the SP assert). The others are not reached by that step but are kept on purpose:
+``torch.cuda.manual_seed`` makes ``model_parallel_cuda_manual_seed(seed)`` seed the generator CPU code
+draws from; ``torch.cuda.set_rng_state`` and ``_set_cuda_rng_state`` otherwise queue a lazy call that
+silently never runs on a CPU build (so ``fork()`` would not switch streams and RNG restores would be
+no-ops); 4 and 5 are reached by ``broadcast_data``, Megatron-LM's ``model.cuda()``, checkpointing and
+buffer offload, where the originals raise.
+
+[Note: device-remap mode is per thread].
+4. ``torch.Tensor.cuda`` / ``torch.nn.Module.cuda`` -> identity (return ``self``): ``tensor_parallel.
+   data.broadcast_data``, ``DistributedOptimizer`` state gathering, optimizer state reloads.
+5. ``torch.cuda.synchronize`` / ``empty_cache`` -> no-ops: ``parallel_state`` (timeouts), DDP grad-buffer
+   offload, checkpoint save paths.
+6. (Scoped, not part of :func:`apply_cpu_patches`) :func:`cuda_type_names`: ``Tensor.type()`` with no
+   arguments reports ``torch.cuda.*`` names for CPU tensors, for the ``param.type() ==
+   'torch.cuda.FloatTensor'`` checks in ``FP32Optimizer`` / ``Float16OptimizerWithFloat16Params`` /
+   ``DistributedOptimizer`` construction and the ``param.grad.type()`` assert in
+   ``clip_grads.clip_grad_by_total_norm_fp32``. Wrap optimizer construction and ``optimizer.step()``.
+7. Sequence parallelism on the local spec: ``WrappedTorchNorm`` (the torch norm every local-spec
+   LayerNorm/RMSNorm is built from when apex is absent) asserts ``not config.sequence_parallel``.
+   ``megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__`` is replaced by
+   :func:`sequence_parallel_norm_new`, which builds the same torch norm and, under sequence
+   parallelism, marks its parameters ``sequence_parallel=True`` (as apex's ``FusedLayerNorm`` does), so
+   ``finalize_model_grads`` all-reduces their grads over TP. Patching the class itself covers every
+   binding (``models.backends.LNImpl``, ``models.gpt.gpt_layer_specs.LNImpl``,
+   ``transformer_block.LayerNormImpl``, and the RMSNorm path that rebinds ``backends.LNImpl``).
+
+Verified by removing one patch at a time from a TP=2 + SP + distributed-optimizer train step: without
+1, the ``get_rng_state`` patches, ``_get_cuda_rng_state``, 3 or 7 it fails ("Torch not compiled with
+CUDA enabled" / the SP assert). The others are not reached by that step but are kept on purpose:
+``torch.cuda.manual_seed`` makes ``model_parallel_cuda_manual_seed(seed)`` seed the generator CPU code
+draws from; ``torch.cuda.set_rng_state`` and ``_set_cuda_rng_state`` otherwise queue a lazy call that
+silently never runs on a CPU build (so ``fork()`` would not switch streams and RNG restores would be
+no-ops); 4 and 5 are reached by ``broadcast_data``, Megatron-LM's ``model.cuda()``, checkpointing and
+buffer offload, where the originals raise.
+
+[Note: device-remap mode is per thread]
+``TorchFunctionMode`` lives on a per-thread stack. :func:`apply_cpu_patches` pushes the mode on the
+*calling thread's* stack without a ``with`` block, so it stays active until :meth:`CpuPatches.revert`,
+across function returns; the autograd engine propagates the thread-local mode stack into backward.
+Work that megatron runs on a thread of its own (e.g. an async checkpoint writer) does not see the mode:
+enter :class:`DeviceRemapMode` there yourself. Revert from the thread that applied the patches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+logger = logging.getLogger(__name__)
+
+SKIP_VERSION_CHECK_ENV = "MEGATRON_ODC_SKIP_VERSION_CHECK"
+SUPPORTED_MEGATRON_SERIES = "0.16"
+_ACTIVE_HANDLE_ATTR = "_megatron_odc_cpu_patches"
+_MISSING = object()
+
+
+def _is_cuda_device(device: Any, *, allow_int: bool) -> bool:
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return allow_int and isinstance(device, int) and not isinstance(device, bool)
+
+
+class DeviceRemapMode(TorchFunctionMode):
+    """Rewrite CUDA ``device`` arguments of torch calls to CPU and drop pinned memory.
+
+    A ``device=`` keyword that names CUDA (``"cuda"``, ``"cuda:1"``, ``torch.device("cuda", 0)`` or an int
+    index) becomes ``"cpu"``; positional string / ``torch.device`` CUDA arguments (``t.to("cuda")``) too;
+    ``pin_memory=True`` is dropped and ``Tensor.pin_memory()`` returns the tensor itself.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.pin_memory:
+            return args[0]
+        if "device" in kwargs and _is_cuda_device(kwargs["device"], allow_int=True):
+            kwargs = {**kwargs, "device": "cpu"}
+        if kwargs.get("pin_memory"):
+            kwargs = {k: v for k, v in kwargs.items() if k != "pin_memory"}
+        if any(_is_cuda_device(a, allow_int=False) for a in args):
+            args = tuple("cpu" if _is_cuda_device(a, allow_int=False) else a for a in args)
+        return func(*args, **kwargs)
+
+
+def sequence_parallel_norm_new(
+    cls: type,
+    config: Any,
+    hidden_size: int,
+    eps: float = 1e-5,
+    persist_layer_norm: bool = False,
+    zero_centered_gamma: bool = False,
+    normalization: str = "LayerNorm",
+) -> torch.nn.Module:
+    """Replacement for ``WrappedTorchNorm.__new__`` that supports sequence parallelism (shim 7).
+
+    Builds ``torch.nn.LayerNorm`` or ``torch.nn.RMSNorm`` from ``config.normalization`` like the original,
+    and when ``config.sequence_parallel`` is set marks the weight and bias ``sequence_parallel=True`` so
+    ``finalize_model_grads`` sums their gradients over the TP group.
+
+    Raises:
+        ValueError: a norm option torch's norms do not support (zero-centered gamma, persistent or
+            memory-efficient layer norm, a normalization other than LayerNorm / RMSNorm).
+    """
+    del (
+        cls,
+        persist_layer_norm,
+        zero_centered_gamma,
+        normalization,
+    )  # read from config, like the original
+    for flag in (
+        "layernorm_zero_centered_gamma",
+        "persist_layer_norm",
+        "memory_efficient_layer_norm",
+    ):
+        if getattr(config, flag, False):
+            raise ValueError(f"TransformerConfig.{flag}=True is not supported by the torch norm")
+    if config.normalization == "LayerNorm":
+        norm = torch.nn.LayerNorm(normalized_shape=hidden_size, eps=eps)
+    elif config.normalization == "RMSNorm":
+        norm = torch.nn.RMSNorm(normalized_shape=hidden_size, eps=eps)
+    else:
+        raise ValueError(
+            f"TransformerConfig.normalization={config.normalization!r}: the CPU runtime supports "
+            "'LayerNorm' and 'RMSNorm'"
+        )
+    if config.sequence_parallel:
+        for param in norm.parameters():
+            param.sequence_parallel = True
+    return norm
+
+
+def _identity(self, *args: Any, **kwargs: Any) -> Any:
+    return self
+
+
+def _noop(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _cpu_manual_seed(seed: int) -> None:
+    # Not torch.manual_seed: that calls torch.cuda.manual_seed_all, which stays unpatched.
+    torch.default_generator.manual_seed(seed)
+
+
+def _cpu_get_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+    torch.set_rng_state(new_state)
+
+
+def check_megatron_version() -> str:
+    """Return the installed megatron-core version; refuse anything but 0.16.x.
+
+    Raises:
+        ValueError: megatron-core is not 0.16.x and ``MEGATRON_ODC_SKIP_VERSION_CHECK=1`` is not set.
+    """
+    from megatron.core import package_info
+
+    version = package_info.__version__
+    series = ".".join(version.split(".")[:2])
+    if series != SUPPORTED_MEGATRON_SERIES and os.environ.get(SKIP_VERSION_CHECK_ENV) != "1":
+        raise ValueError(
+            f"megatron_odc.patches.cpu supports megatron-core {SUPPORTED_MEGATRON_SERIES}.x, found "
+            f"{version}: the patched names may have moved. Set {SKIP_VERSION_CHECK_ENV}=1 to try anyway."
+        )
+    return version
+
+
+class CpuPatches:
+    """Handle on the applied CPU patches; also a context manager that reverts on exit.
+
+    Attributes:
+        patched: ``"module.attr"`` names of every replaced attribute, in the order they were patched.
+        mode: the device-remap mode pushed on the applying thread's torch-function mode stack.
+    """
+
+    def __init__(self) -> None:
+        self.patched: list[str] = []
+        self.mode = DeviceRemapMode()
+        # (owner, attr, qualified name, value in owner.__dict__ before, or _MISSING)
+        self._saved: list[tuple[Any, str, str, Any]] = []
+        self._active = False
+
+    @property
+    def active(self) -> bool:
+        """Whether the patches are currently applied."""
+        return self._active
+
+    def _patch(self, owner: Any, attr: str, qualname: str, value: Any) -> None:
+        self._saved.append((owner, attr, qualname, owner.__dict__.get(attr, _MISSING)))
+        setattr(owner, attr, value)
+        self.patched.append(qualname)
+
+    def _apply(self) -> None:
+        import megatron.core.tensor_parallel.random as mcore_random
+        from megatron.core.transformer import torch_norm
+
+        current_device = _make_current_device(self)
+        cuda = torch.cuda
+        self._patch(cuda, "current_device", "torch.cuda.current_device", current_device)
+        self._patch(cuda, "manual_seed", "torch.cuda.manual_seed", _cpu_manual_seed)
+        self._patch(cuda, "get_rng_state", "torch.cuda.get_rng_state", _cpu_get_rng_state)
+        self._patch(cuda, "set_rng_state", "torch.cuda.set_rng_state", _cpu_set_rng_state)
+        self._patch(cuda, "synchronize", "torch.cuda.synchronize", _noop)
+        self._patch(cuda, "empty_cache", "torch.cuda.empty_cache", _noop)
+        name = "megatron.core.tensor_parallel.random"
+        self._patch(
+            mcore_random, "_get_cuda_rng_state", f"{name}._get_cuda_rng_state", _cpu_get_rng_state
+        )
+        self._patch(
+            mcore_random, "_set_cuda_rng_state", f"{name}._set_cuda_rng_state", _cpu_set_rng_state
+        )
+        self._patch(torch.Tensor, "cuda", "torch.Tensor.cuda", _identity)
+        self._patch(torch.nn.Module, "cuda", "torch.nn.Module.cuda", _identity)
+        self._patch(
+            torch_norm.WrappedTorchNorm,
+            "__new__",
+            "megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__",
+            staticmethod(sequence_parallel_norm_new),
+        )
+        self.mode.__enter__()
+        self._active = True
+
+    def revert(self) -> None:
+        """Put every patched attribute back exactly and pop the device-remap mode; idempotent.
+
+        Raises:
+            RuntimeError: called from a thread whose mode stack does not hold this handle's mode.
+        """
+        if not self._active:
+            return
+        _remove_mode_from_stack(self.mode)
+        try:
+            for owner, attr, _, before in reversed(self._saved):
+                if before is not _MISSING:
+                    setattr(owner, attr, before)
+                elif attr in vars(owner):
+                    delattr(owner, attr)
+        finally:
+            self._saved.clear()
+            self._active = False
+        logger.debug("reverted %d CPU patches", len(self.patched))
+
+    def __enter__(self) -> CpuPatches:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.revert()
+
+
+def _make_current_device(handle: CpuPatches) -> Callable[[], str]:
+    def current_device() -> str:
+        return "cpu"
+
+    # The active handle is found through the patched function itself: process-wide, no module state.
+    setattr(current_device, _ACTIVE_HANDLE_ATTR, handle)
+    return current_device
+
+
+def _remove_mode_from_stack(mode: TorchFunctionMode) -> None:
+    """Pop ``mode`` off this thread's torch-function mode stack, keeping any modes pushed above it."""
+    stack_len = torch._C._len_torch_function_stack()
+    stack = [torch._C._get_function_stack_at(i) for i in range(stack_len)]
+    if not any(m is mode for m in stack):
+        raise RuntimeError(
+            "the CPU patches' device-remap mode is not on this thread's torch-function mode stack: "
+            "revert from the thread that called apply_cpu_patches()"
+        )
+    if stack[-1] is mode:
+        mode.__exit__(None, None, None)
+        return
+    logger.warning("device-remap mode is not on top of the mode stack; removing it from below")
+    above: list[TorchFunctionMode] = []
+    while (top := torch._C._pop_torch_function_stack()) is not mode:
+        above.append(top)
+    for m in reversed(above):
+        torch._C._push_on_torch_function_stack(m)
+
+
+def active_cpu_patches() -> CpuPatches | None:
+    """Return the handle of the CPU patches applied in this process, or None."""
+    return getattr(torch.cuda.current_device, _ACTIVE_HANDLE_ATTR, None)
+
+
+def apply_cpu_patches() -> CpuPatches:
+    """Apply the CPU patches (see the module docstring) and return their handle.
+
+    Idempotent per process: while patches are active a second call returns the active handle (whose
+    ``revert`` then undoes them for every caller). Usable as ``with apply_cpu_patches(): ...``.
+
+    Raises:
+        ValueError: megatron-core is not 0.16.x (see :func:`check_megatron_version`).
+    """
+    active = active_cpu_patches()
+    if active is not None and active.active:
+        return active
+    version = check_megatron_version()
+    handle = CpuPatches()
+    handle._apply()
+    logger.debug("applied %d CPU patches for megatron-core %s", len(handle.patched), version)
+    return handle
+
+
+@contextlib.contextmanager
+def cuda_type_names() -> Iterator[None]:
+    """Within the block, ``Tensor.type()`` with no arguments reports ``torch.cuda.*`` names for CPU tensors.
+
+    megatron's optimizers check ``param.type() == 'torch.cuda.FloatTensor'`` (and Half / BFloat16) at
+    construction and ``clip_grad_by_total_norm_fp32`` asserts it on grads at each step: wrap
+    ``get_megatron_optimizer(...)`` and ``optimizer.step()``. ``Tensor.type(dtype)`` conversions are
+    unchanged. Nestable; the previous ``Tensor.type`` is restored on exit.
+    """
+    before = torch.Tensor.__dict__.get("type", _MISSING)
+    original_type = torch.Tensor.type
+
+    def type_with_cuda_names(self, *args, **kwargs):
+        if not args and not kwargs:
+            name = original_type(self)
+            if self.device.type == "cpu" and name.startswith("torch.") and "cuda" not in name:
+                return "torch.cuda." + name[len("torch.") :]
+            return name
+        return original_type(self, *args, **kwargs)
+
+    torch.Tensor.type = type_with_cuda_names
+    try:
+        yield
+    finally:
+        if before is _MISSING:
+            del torch.Tensor.type
+        else:
+            torch.Tensor.type = before
