@@ -1,0 +1,479 @@
+"""The ODC bucket runtime: sharded parameters, fetch / release / push, one fence per minibatch.
+
+``ODCEngine`` owns, for one data-parallel group, every bucket of a model's parameters (``layout.py``):
+
+- each rank's *param shard* (compute dtype) and fp32 *grad accumulator* live in transport memory, so peers
+  read and accumulate into them one-sidedly;
+- every parameter's ``.data`` is a view into an unsharded flat buffer per storage group (consecutive buckets
+  of one unit and dtype) whose storage is freed (resized to 0) while the unit is released, and refilled by a
+  fetch (the same trick FSDP2 uses, so tensors autograd saved in forward see the refetched data in backward);
+- ``fetch(unit)`` gathers the unit's buckets from every owner (own shard locally), ``release(unit)`` frees
+  them; ``begin_backward(unit)`` binds ``param.main_grad`` views into an unsharded grad buffer,
+  ``grad_ready(param)`` is called once per parameter per backward and pushes the unit's buckets to the owners
+  once every parameter's gradient is in (parameters used several times, like tied embeddings, are complete
+  when autograd accumulates them, once);
+- ``begin_minibatch()`` / ``finish_minibatch()`` hold the only two DP-wide fences of a minibatch.
+
+[Note: bucket lifecycle] Per bucket: SHARDED -> FETCHING -> UNSHARDED -> (backward) PUSHING -> UNSHARDED
+-> SHARDED. Any other transition raises ``RuntimeError`` naming the rank, bucket and a parameter.
+
+No megatron import: the Megatron-facing wrapper (``data_parallel.py``) and the hooks (``hooks.py``) drive it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_odc.layout import BucketLayout, Layout, ParamSpec, build_layout, check_same_layout
+from megatron_odc.telemetry import Telemetry
+from megatron_odc.transport.base import Transport
+
+logger = logging.getLogger(__name__)
+
+
+class BucketState(enum.Enum):
+    """Where a bucket's parameters are."""
+
+    SHARDED = "sharded"
+    """Only the owners' shards exist; the unsharded storage is freed."""
+    FETCHING = "fetching"
+    """A fetch is assembling the unsharded bucket."""
+    UNSHARDED = "unsharded"
+    """The whole bucket is present; forward (and backward) may use it."""
+    PUSHING = "pushing"
+    """Backward is running: gradients accumulate into the unsharded grad buffer, then go to the owners."""
+
+
+_ALLOWED = {
+    (BucketState.SHARDED, BucketState.FETCHING),
+    (BucketState.FETCHING, BucketState.UNSHARDED),
+    (BucketState.UNSHARDED, BucketState.SHARDED),
+    (BucketState.UNSHARDED, BucketState.PUSHING),
+    (BucketState.PUSHING, BucketState.UNSHARDED),
+}
+
+
+@dataclasses.dataclass
+class _StorageGroup:
+    """Consecutive buckets of one unit and dtype that share one unsharded flat buffer."""
+
+    unit: str
+    dtype: torch.dtype
+    bucket_indices: list[int]
+    bucket_starts: list[int]  # element offset of each bucket inside the flat buffer
+    numel: int
+    params_flat: torch.Tensor  # 1D; storage resized to 0 while released
+    grad_flat: torch.Tensor | None = None  # 1D, allocated by begin_backward
+
+
+@dataclasses.dataclass
+class _ParamEntry:
+    name: str
+    param: torch.nn.Parameter
+    unit: str
+    group: _StorageGroup
+    flat_start: int  # element offset of the parameter in the group's flat buffer
+    bucket_indices: tuple[int, ...]
+
+
+class ODCEngine:
+    """Sharded parameters and gradient accumulators of one model over one data-parallel group.
+
+    Args:
+        named_params: ``(name, parameter, unit)`` triples in forward order; every parameter of a unit is
+            fetched and released together. Parameters must be identical on every DP rank.
+        transport: this rank's transport endpoint over the DP group (its ``world_size`` is the DP size).
+        group: the DP process group (used only at construction and by ``gather_telemetry``).
+        bucket_numel: bucket size in elements.
+        alignment: element alignment of parameter starts and shards.
+        grad_dtype: dtype of the unsharded gradient buffer (default float32); pushes add it into the
+            owners' fp32 accumulators.
+        buffer_prefix: prefix of the transport buffer names (several engines may share a transport).
+        check_params_equal: verify at construction that every DP rank holds the same parameter values.
+    """
+
+    def __init__(
+        self,
+        named_params: Sequence[tuple[str, torch.nn.Parameter, str]],
+        transport: Transport,
+        group: dist.ProcessGroup | None = None,
+        *,
+        bucket_numel: int = 40_000_000,
+        alignment: int = 64,
+        grad_dtype: torch.dtype = torch.float32,
+        buffer_prefix: str = "odc",
+        check_params_equal: bool = True,
+    ) -> None:
+        self.transport = transport
+        self.group = group
+        self.dp_rank = transport.rank
+        self.dp_size = transport.world_size
+        self.grad_dtype = grad_dtype
+        self.telemetry = Telemetry()
+        self._prefix = buffer_prefix
+        self._closed = False
+        self._in_minibatch = False
+
+        specs = [ParamSpec(name, tuple(p.shape), p.dtype, unit) for name, p, unit in named_params]
+        self.layout: Layout = build_layout(
+            specs, self.dp_size, bucket_numel=bucket_numel, alignment=alignment
+        )
+        self._check_same_layout()
+        params = {name: p for name, p, _ in named_params}
+        if check_params_equal:
+            self._check_params_equal([(name, p) for name, p, _ in named_params])
+
+        self.states: list[BucketState] = [BucketState.SHARDED] * len(self.layout.buckets)
+        for bucket in self.layout.buckets:
+            transport.register(self._param_buffer(bucket.index), bucket.shard_numel, bucket.dtype)
+            transport.register(self._grad_buffer(bucket.index), bucket.shard_numel, torch.float32)
+
+        self._groups: dict[str, list[_StorageGroup]] = {}
+        self._entries: dict[str, _ParamEntry] = {}
+        self._build_storage(params)
+        self._unit_names: dict[str, list[str]] = {unit: [] for unit in self.layout.units}
+        for name, entry in self._entries.items():
+            self._unit_names[entry.unit].append(name)
+        self._pending: dict[str, set[str]] = {unit: set() for unit in self.layout.units}
+        self._ready: dict[str, set[str]] = {unit: set() for unit in self.layout.units}
+        self.transport.fence()
+
+    # ------------------------------------------------------------------ construction
+
+    def _param_buffer(self, bucket_index: int) -> str:
+        return f"{self._prefix}.param.{bucket_index}"
+
+    def _grad_buffer(self, bucket_index: int) -> str:
+        return f"{self._prefix}.grad.{bucket_index}"
+
+    def _check_same_layout(self) -> None:
+        if self.dp_size == 1 or not dist.is_initialized():
+            return
+        fingerprints: list[str | None] = [None] * self.dp_size
+        dist.all_gather_object(fingerprints, self.layout.fingerprint(), group=self.group)
+        if len(set(fingerprints)) == 1:
+            return
+        records: list[list[str] | None] = [None] * self.dp_size
+        dist.all_gather_object(records, self.layout.records(), group=self.group)
+        check_same_layout(self.layout, records)  # raises, naming the first differing parameter
+        raise ValueError(f"DP rank {self.dp_rank}: bucket layouts differ across DP ranks")
+
+    def _check_params_equal(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
+        if self.dp_size == 1 or not dist.is_initialized() or not named:
+            return
+        sums = []
+        for _, p in named:
+            flat = p.detach().reshape(-1).double()
+            weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64).remainder_(997.0)
+            sums.append(torch.stack([flat.sum(), (flat * weights).sum()]))
+        mine = torch.stack(sums)
+        gathered = [torch.empty_like(mine) for _ in range(self.dp_size)]
+        dist.all_gather(gathered, mine, group=self.group)
+        for other_rank, other in enumerate(gathered):
+            differs = (other != mine).any(dim=1) & ~(other.isnan() & mine.isnan()).any(dim=1)
+            if bool(differs.any()):
+                index = int(differs.nonzero()[0])
+                raise ValueError(
+                    f"DP rank {self.dp_rank}: parameter {named[index][0]!r} differs between DP rank "
+                    f"{self.dp_rank} and DP rank {other_rank}; every DP rank must start from the same "
+                    "weights (same seed, or call broadcast_params on the plain model first)"
+                )
+
+    def _build_storage(self, params: dict[str, torch.nn.Parameter]) -> None:
+        """Write the owned shards, then rebind every parameter to a released unsharded view."""
+        buckets = self.layout.buckets
+        for bucket in buckets:
+            shard = self.transport.local(self._param_buffer(bucket.index))
+            shard_start, _ = bucket.shard_range(self.dp_rank)
+            for slot, start, end in bucket.owned_pieces(self.dp_rank):
+                src = params[slot.name].detach().reshape(-1)
+                dst_start = slot.bucket_offset + start - shard_start
+                shard[dst_start : dst_start + end - start].copy_(
+                    src[slot.param_offset + start : slot.param_offset + end]
+                )
+        # Storage groups: maximal runs of consecutive buckets with the same unit and dtype.
+        runs: list[list[BucketLayout]] = []
+        for bucket in buckets:
+            if runs and runs[-1][-1].unit == bucket.unit and runs[-1][-1].dtype == bucket.dtype:
+                runs[-1].append(bucket)
+            else:
+                runs.append([bucket])
+        for run in runs:
+            starts, total = [], 0
+            for bucket in run:
+                starts.append(total)
+                total += bucket.padded_numel
+            flat = torch.zeros(total, dtype=run[0].dtype)
+            group = _StorageGroup(
+                unit=run[0].unit,
+                dtype=run[0].dtype,
+                bucket_indices=[b.index for b in run],
+                bucket_starts=starts,
+                numel=total,
+                params_flat=flat,
+            )
+            self._groups.setdefault(group.unit, []).append(group)
+            first_slot_seen: set[str] = set()
+            for bucket, bucket_start in zip(run, starts):
+                for slot in bucket.slots:
+                    if slot.name in first_slot_seen:
+                        continue
+                    first_slot_seen.add(slot.name)
+                    assert slot.param_offset == 0, slot
+                    p = params[slot.name]
+                    flat_start = bucket_start + slot.bucket_offset
+                    slots = self.layout.slots_of(slot.name)
+                    self._entries[slot.name] = _ParamEntry(
+                        name=slot.name,
+                        param=p,
+                        unit=group.unit,
+                        group=group,
+                        flat_start=flat_start,
+                        bucket_indices=tuple(s.bucket_index for s in slots),
+                    )
+                    p.data = flat[flat_start : flat_start + p.numel()].view(p.shape)
+            flat.untyped_storage().resize_(0)
+
+    # ------------------------------------------------------------------ state machine
+
+    def _transition(self, bucket_index: int, new: BucketState, action: str) -> None:
+        old = self.states[bucket_index]
+        if (old, new) not in _ALLOWED:
+            bucket = self.layout.buckets[bucket_index]
+            param = bucket.slots[0].name if bucket.slots else "<none>"
+            raise RuntimeError(
+                f"DP rank {self.dp_rank}: illegal {action} of bucket {bucket_index} (unit "
+                f"{bucket.unit!r}, first parameter {param!r}): {old.value} -> {new.value}"
+            )
+        self.states[bucket_index] = new
+
+    def unit_state(self, unit: str) -> BucketState:
+        """The state of a unit's buckets (they move together)."""
+        return self.states[self._unit_buckets(unit)[0]]
+
+    def _unit_buckets(self, unit: str) -> tuple[int, ...]:
+        buckets = self.layout.buckets_of_unit(unit)
+        if not buckets:
+            raise ValueError(f"DP rank {self.dp_rank}: unknown unit {unit!r}")
+        return buckets
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"DP rank {self.dp_rank}: the ODC engine is closed")
+
+    # ------------------------------------------------------------------ fetch / release
+
+    def fetch(self, unit: str) -> None:
+        """Assemble the unit's parameters from every owner; a no-op if they are already present."""
+        self._check_open()
+        if self.unit_state(unit) is not BucketState.SHARDED:
+            return
+        with self.telemetry.timed("fetch_wait_s"):
+            for group in self._groups[unit]:
+                group.params_flat.untyped_storage().resize_(
+                    group.numel * group.params_flat.element_size()
+                )
+                for bucket_index, start in zip(group.bucket_indices, group.bucket_starts):
+                    bucket = self.layout.buckets[bucket_index]
+                    self._transition(bucket_index, BucketState.FETCHING, "fetch")
+                    self.transport.gather_shards(
+                        self._param_buffer(bucket_index),
+                        group.params_flat[start : start + bucket.padded_numel],
+                    )
+                    self._transition(bucket_index, BucketState.UNSHARDED, "fetch")
+                    self.telemetry.fetch_bytes += bucket.shard_nbytes * (self.dp_size - 1)
+                    self.telemetry.num_fetches += 1
+
+    def release(self, unit: str) -> None:
+        """Free the unit's unsharded parameters; a no-op if already released."""
+        state = self.unit_state(unit)
+        if state is BucketState.SHARDED:
+            return
+        for bucket_index in self._unit_buckets(unit):
+            self._transition(bucket_index, BucketState.SHARDED, "release")
+        for group in self._groups[unit]:
+            group.params_flat.untyped_storage().resize_(0)
+
+    def release_all(self) -> None:
+        """Release every unit (after pushing any partial gradients)."""
+        for unit in self.layout.units:
+            if self.unit_state(unit) is BucketState.PUSHING:
+                self.push(unit)
+            self.release(unit)
+
+    # ------------------------------------------------------------------ backward and push
+
+    def begin_backward(self, unit: str) -> None:
+        """Start collecting the unit's gradients: bind ``param.main_grad`` into a zeroed grad buffer."""
+        self._check_open()
+        if self.unit_state(unit) is BucketState.PUSHING:
+            return
+        for bucket_index in self._unit_buckets(unit):
+            self._transition(bucket_index, BucketState.PUSHING, "begin_backward")
+        for group in self._groups[unit]:
+            group.grad_flat = torch.zeros(group.numel, dtype=self.grad_dtype)
+        for name in self._unit_param_names(unit):
+            entry = self._entries[name]
+            p = entry.param
+            p.main_grad = entry.group.grad_flat[
+                entry.flat_start : entry.flat_start + p.numel()
+            ].view(p.shape)
+            p.grad_added_to_main_grad = False
+        self._pending[unit] = {
+            name for name in self._unit_param_names(unit) if self._entries[name].param.requires_grad
+        }
+        self._ready[unit] = set()
+
+    def _unit_param_names(self, unit: str) -> list[str]:
+        return self._unit_names[unit]
+
+    def grad_ready(self, param: torch.nn.Parameter, name: str) -> str | None:
+        """Take ``param``'s gradient for this backward; push the unit once all of its gradients are in.
+
+        Returns:
+            The unit's name if this gradient completed it and it was pushed, else ``None``.
+        """
+        entry = self._entries[name]
+        unit = entry.unit
+        state = self.unit_state(unit)
+        if state is BucketState.UNSHARDED:
+            self.begin_backward(unit)
+        elif state is not BucketState.PUSHING:
+            raise RuntimeError(
+                f"DP rank {self.dp_rank}: gradient of parameter {name!r} arrived while its bucket "
+                f"{entry.bucket_indices[0]} (unit {unit!r}) is {state.value}; its parameters were not "
+                "fetched for backward"
+            )
+        if name in self._ready[unit]:
+            raise RuntimeError(
+                f"DP rank {self.dp_rank}: gradient of parameter {name!r} (bucket "
+                f"{entry.bucket_indices[0]}) arrived twice in one backward"
+            )
+        if getattr(param, "grad_added_to_main_grad", False):
+            param.grad_added_to_main_grad = False  # fused wgrad wrote main_grad directly
+        elif param.grad is not None:
+            param.main_grad.add_(param.grad)
+        param.grad = None
+        self._ready[unit].add(name)
+        if self._ready[unit] >= self._pending[unit]:
+            self.push(unit)
+            return unit
+        return None
+
+    def push(self, unit: str) -> None:
+        """Accumulate each owner's slice of the unit's unsharded gradient into the owner's shard."""
+        self._check_open()
+        if self.unit_state(unit) is not BucketState.PUSHING:
+            for bucket_index in self._unit_buckets(unit):
+                self._transition(bucket_index, BucketState.UNSHARDED, "push")
+        with self.telemetry.timed("push_s"):
+            for group in self._groups[unit]:
+                assert group.grad_flat is not None
+                for bucket_index, start in zip(group.bucket_indices, group.bucket_starts):
+                    bucket = self.layout.buckets[bucket_index]
+                    self.transport.scatter_accumulate(
+                        self._grad_buffer(bucket_index),
+                        group.grad_flat[start : start + bucket.padded_numel],
+                    )
+                    self.telemetry.push_bytes += (
+                        bucket.shard_numel * group.grad_flat.element_size() * (self.dp_size - 1)
+                    )
+                    self.telemetry.num_pushes += 1
+                    self._transition(bucket_index, BucketState.UNSHARDED, "push")
+                group.grad_flat = None
+        for name in self._unit_param_names(unit):
+            self._entries[name].param.main_grad = None
+        self._pending[unit] = set()
+        self._ready[unit] = set()
+
+    def finish_backward(self) -> None:
+        """End of one backward pass: push partial units (unused parameters) and release everything."""
+        for unit in self.layout.units:
+            if self.unit_state(unit) is BucketState.PUSHING:
+                self.push(unit)
+        for unit in self.layout.units:
+            self.release(unit)
+
+    # ------------------------------------------------------------------ minibatch protocol
+
+    def begin_minibatch(self) -> None:
+        """Zero the owned accumulators, then fence: peers' params of the last step are visible."""
+        self._check_open()
+        self.release_all()
+        for bucket in self.layout.buckets:
+            self.transport.local(self._grad_buffer(bucket.index)).zero_()
+        self.telemetry.begin_minibatch()
+        with self.telemetry.timed("fence_s"):
+            self.transport.fence()
+        self._in_minibatch = True
+
+    def finish_minibatch(self) -> None:
+        """Push what is left, flush, and fence: every owner now holds the full gradient sums."""
+        self._check_open()
+        self.finish_backward()
+        with self.telemetry.timed("fence_s"):
+            self.transport.flush()
+            self.transport.fence()
+        self.telemetry.end_minibatch()
+        self._in_minibatch = False
+
+    # ------------------------------------------------------------------ owned shards
+
+    def param_shard(self, bucket_index: int) -> torch.Tensor:
+        """This rank's compute-dtype parameter shard of a bucket (what peers fetch)."""
+        return self.transport.local(self._param_buffer(bucket_index))
+
+    def grad_shard(self, bucket_index: int) -> torch.Tensor:
+        """This rank's fp32 gradient accumulator of a bucket (what peers push into)."""
+        return self.transport.local(self._grad_buffer(bucket_index))
+
+    def scale_gradients(self, factor: float) -> None:
+        """Multiply every owned accumulator by ``factor``."""
+        for bucket in self.layout.buckets:
+            self.grad_shard(bucket.index).mul_(factor)
+
+    def parameters(self) -> Iterable[tuple[str, torch.nn.Parameter]]:
+        """``(name, parameter)`` in layout order."""
+        return ((name, e.param) for name, e in self._entries.items())
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter's current value, gathered one-sidedly from the owners (copies)."""
+        out: dict[str, torch.Tensor] = {}
+        for unit in self.layout.units:
+            was_sharded = self.unit_state(unit) is BucketState.SHARDED
+            self.fetch(unit)
+            for name in self._unit_param_names(unit):
+                out[name] = self._entries[name].param.detach().clone()
+            if was_sharded:
+                self.release(unit)
+        return out
+
+    def persistent_nbytes(self) -> int:
+        """Bytes of the owned parameter shards and gradient accumulators."""
+        total = 0
+        for bucket in self.layout.buckets:
+            total += self.param_shard(bucket.index).nbytes + self.grad_shard(bucket.index).nbytes
+        return total
+
+    def unsharded_nbytes(self) -> int:
+        """Bytes of unsharded parameter and gradient buffers currently allocated."""
+        total = 0
+        for groups in self._groups.values():
+            for g in groups:
+                total += g.params_flat.untyped_storage().nbytes()
+                if g.grad_flat is not None:
+                    total += g.grad_flat.nbytes
+        return total
+
+    def close(self) -> None:
+        """Release the transport; the parameters become unusable."""
+        if self._closed:
+            return
+        self._closed = True
+        self.transport.close()

@@ -1,0 +1,47 @@
+"""A transport wrapper that records every call, to check ODC's promise (tests only)."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_odc.transport.base import BufferSpec, Transport
+
+
+class RecordingTransport(Transport):
+    """Forwards to ``inner`` and appends ``(op, name, peer, offset, numel)`` to ``calls``.
+
+    Whole-bucket helpers are inherited from the base class, so they show up as their one-sided gets and
+    accumulates; a collective transport's overrides are therefore not what this checks.
+    """
+
+    def __init__(self, inner: Transport) -> None:
+        super().__init__(inner.rank, inner.world_size)
+        self.inner = inner
+        self.calls: list[tuple] = []
+
+    def _register(self, spec: BufferSpec) -> torch.Tensor:
+        self.calls.append(("register", spec.name, None, 0, spec.numel))
+        return self.inner.register(spec.name, spec.numel, spec.dtype)
+
+    def _get(self, spec: BufferSpec, peer: int, offset: int, out: torch.Tensor) -> None:
+        self.calls.append(("get", spec.name, peer, offset, out.numel()))
+        self.inner.get(spec.name, peer, offset, out)
+
+    def _accumulate(self, spec: BufferSpec, peer: int, offset: int, src: torch.Tensor) -> None:
+        self.calls.append(("accumulate", spec.name, peer, offset, src.numel()))
+        self.inner.accumulate(spec.name, peer, offset, src)
+
+    def flush(self) -> None:
+        self.calls.append(("flush", None, None, 0, 0))
+        self.inner.flush()
+
+    def fence(self) -> None:
+        self.calls.append(("fence", None, None, 0, 0))
+        self.inner.fence()
+
+    def _close(self) -> None:
+        self.inner.close()
+
+    def ops(self) -> list[str]:
+        """The op names, in call order."""
+        return [c[0] for c in self.calls]
