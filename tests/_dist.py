@@ -3,7 +3,7 @@
 ``run_ranks(fn, world_size, *args)`` starts ``world_size`` fresh interpreters (``spawn``), each of which
 joins a gloo process group through a ``file://`` store under a private temporary directory, sets
 ``OMP_NUM_THREADS=1`` and calls ``fn(rank, world_size, *args)``. It returns the list of the ranks' return
-values, or raises ``RankFailure`` naming every rank that raised, died or hung past the deadline, with the
+values, or raises ``RankFailureError`` naming every rank that raised, died or hung past the deadline, with the
 rank's traceback. Whatever happens, every child is killed and reaped, and the private shared-memory
 directory the ranks used (``MEGATRON_ODC_SHM_DIR``) is removed.
 
@@ -29,7 +29,7 @@ SHM_ROOT = Path("/dev/shm")
 _GRACE_AFTER_FAILURE_S = 10.0
 
 
-class RankFailure(AssertionError):
+class RankFailureError(AssertionError):
     """One or more ranks raised, died or hung; the message names each of them."""
 
 
@@ -96,7 +96,7 @@ def run_ranks(
         env: extra environment variables for the children.
 
     Raises:
-        RankFailure: a rank raised, exited without a result, or hung past ``timeout_s``.
+        RankFailureError: a rank raised, exited without a result, or hung past ``timeout_s``.
     """
     ctx = multiprocessing.get_context("spawn")
     run_id = uuid.uuid4().hex[:12]
@@ -163,7 +163,8 @@ def _collect(
             break
         now = time.monotonic()
         failed = any(
-            not p.is_alive() and (p.exitcode != 0 or _read_result(rp) is None or _read_result(rp)[0] != "ok")
+            not p.is_alive()
+            and (p.exitcode != 0 or _read_result(rp) is None or _read_result(rp)[0] != "ok")
             for p, rp in zip(procs, result_paths)
         )
         if failed and first_failure_at is None:
@@ -178,7 +179,9 @@ def _collect(
     results: list[Any] = []
     for rank, (p, rp) in enumerate(zip(procs, result_paths)):
         if p.is_alive():
-            reason = "past the deadline" if first_failure_at is None else "after another rank failed"
+            reason = (
+                "past the deadline" if first_failure_at is None else "after another rank failed"
+            )
             problems.append(f"rank {rank} hung ({reason}; killed after {timeout_s:.0f} s budget)")
             results.append(None)
             continue
@@ -192,5 +195,5 @@ def _collect(
         else:
             results.append(outcome[1])
     if problems:
-        raise RankFailure("\n".join(problems))
+        raise RankFailureError("\n".join(problems))
     return results

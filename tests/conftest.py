@@ -27,8 +27,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _odc_shm_entries() -> set[str]:
+    # The harness's private per-run directories (megatron_odc_test_*) are removed by the harness itself
+    # and may belong to a concurrent test session; transports writing straight to /dev/shm must not leak.
     root = Path("/dev/shm")
-    return {p.name for p in root.iterdir() if "megatron_odc" in p.name} if root.exists() else set()
+    if not root.exists():
+        return set()
+    return {p.name for p in root.iterdir() if p.name.startswith("megatron_odc-")}
 
 
 @pytest.fixture(autouse=True)

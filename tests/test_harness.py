@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests._dist import RankFailure, run_ranks
+from tests._dist import RankFailureError, run_ranks
 
 
 def _sum_ranks(rank: int, world_size: int, scale: int) -> tuple[int, int, str]:
@@ -41,17 +41,17 @@ def test_results_come_back_in_rank_order():
 
 
 def test_a_raising_rank_is_named_with_its_error():
-    with pytest.raises(RankFailure, match=r"rank 1 raised ValueError: boom on purpose"):
+    with pytest.raises(RankFailureError, match=r"rank 1 raised ValueError: boom on purpose"):
         run_ranks(_rank1_raises, 2, timeout_s=60, pg_timeout_s=5)
 
 
 def test_a_hung_rank_is_named_and_killed():
     start = time.monotonic()
-    with pytest.raises(RankFailure, match=r"rank 0 hung"):
+    with pytest.raises(RankFailureError, match=r"rank 0 hung"):
         run_ranks(_rank0_hangs, 2, timeout_s=8)
     assert time.monotonic() - start < 40
 
 
 def test_a_dead_rank_is_named():
-    with pytest.raises(RankFailure, match=r"rank 1 died with exit code 7"):
+    with pytest.raises(RankFailureError, match=r"rank 1 died with exit code 7"):
         run_ranks(_rank1_dies, 2, timeout_s=60)

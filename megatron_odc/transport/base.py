@@ -73,7 +73,8 @@ class Transport(abc.ABC):
             raise ValueError(f"rank {self.rank}: buffer {name!r}: numel must be >= 0, got {numel}")
         spec = BufferSpec(name, int(numel), dtype)
         local = self._register(spec)
-        assert local.numel() == spec.numel and local.dtype == dtype
+        assert local.numel() == spec.numel, (local.numel(), spec)
+        assert local.dtype == dtype, (local.dtype, spec)
         self._specs[name] = spec
         self._local[name] = local
         return local
@@ -215,7 +216,9 @@ class Transport(abc.ABC):
                 f"{self.world_size}"
             )
         if not tensor.is_contiguous():
-            raise ValueError(f"rank {self.rank}: {op} on buffer {name!r}: tensor must be contiguous")
+            raise ValueError(
+                f"rank {self.rank}: {op} on buffer {name!r}: tensor must be contiguous"
+            )
         if offset < 0 or offset + tensor.numel() > spec.numel:
             raise ValueError(
                 f"rank {self.rank}: {op} on buffer {name!r} of {spec.numel} elements per rank: range "
