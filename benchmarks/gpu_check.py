@@ -1,0 +1,674 @@
+"""GPU check of the CUDA path, in one call on one GPU (H200: about 3-5 minutes; installs nothing).
+
+Runs, each in its own spawned world of processes that share ``cuda:0`` (gloo process group through a file
+store, ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``), with a deadline per check:
+
+==================  ======================================================================================
+check               what it runs and what passes
+==================  ======================================================================================
+correctness w=2/4   ``CudaSymmTransport`` in both accumulate modes (atomic, deterministic): whole-bucket
+                    gather (bf16 and fp32) equals every rank's shard; a partial get at an offset; every rank
+                    accumulating integer-valued fp32 and bf16 sources into every owner at once, 3 times
+                    (exact sums: a lost update shows); random fp32 sums against a float64 oracle, and in
+                    deterministic mode bitwise equal across two repeats; 4 buckets through
+                    ``OverlapSchedule`` on CUDA streams (fetch next / push last while computing)
+bandwidth w=2       rank 0 alone (rank 1 idle): get from the peer vs a device-to-device ``copy_``, and
+                    accumulate (atomic, and deterministic) into the peer vs a local ``add_``; payload GB/s,
+                    median of ``--repeats``; targets: get >= 0.8x copy, atomic accumulate >= 0.5x add_
+parity w=2          a small megatron-core GPT (bf16, local spec) trained 3 steps with ``--dp-backend odc``
+                    over the CUDA transport and with megatron-core DDP, same batches; per-step loss and the
+                    final parameters within bf16 tolerance (needs megatron-core)
+fp8 w=2             ``FP8ShardBookkeeper.requantize`` on CUDA tensors over the DP group (equal scales on both
+                    ranks, round trip within FP8 rounding); if TransformerEngine imports: one ODC step of a
+                    TE-spec GPT with ``fp8=hybrid``, tensorwise recipe, finite loss within 5% of DDP's
+==================  ======================================================================================
+
+The report ends with one short table (check, result, numbers). ``--json PATH`` also writes every number.
+``--dry-run`` (CPU) checks imports, argument parsing and that the rank functions pickle, lists the checks
+and exits 0. Usage: ``python benchmarks/gpu_check.py [--size-mib 256] [--repeats 5] [--only NAME ...]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import logging
+import multiprocessing
+import os
+import pickle
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run from a checkout without installing the package
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+logger = logging.getLogger("gpu_check")
+
+OVERLAP_ENV = {"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1", "OMP_NUM_THREADS": "1"}
+GET_TARGET = 0.8
+ACCUMULATE_TARGET = 0.5
+BF16_LOSS_RTOL = 2e-2
+BF16_PARAM_RTOL = 2e-2
+FP8_LOSS_RTOL = 5e-2
+
+
+# ---------------------------------------------------------------------- launcher
+
+
+def _child(fn, rank, world_size, args, store, result_path) -> None:
+    outcome: tuple[str, Any]
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{store}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=120),
+        )
+        try:
+            torch.cuda.set_device(0)
+            outcome = ("ok", fn(rank, world_size, *args))
+        finally:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+    except BaseException as exc:
+        outcome = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    with open(result_path + ".tmp", "wb") as f:
+        pickle.dump(outcome, f)
+    os.replace(result_path + ".tmp", result_path)
+
+
+def run_world(fn: Callable, world_size: int, *args: Any, timeout_s: float) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes sharing cuda:0."""
+    ctx = multiprocessing.get_context("spawn")
+    workdir = Path(tempfile.mkdtemp(prefix="odc-gpu-check-"))
+    saved = {k: os.environ.get(k) for k in OVERLAP_ENV}
+    os.environ.update(OVERLAP_ENV)
+    procs = []
+    paths = [str(workdir / f"rank{r}.pkl") for r in range(world_size)]
+    try:
+        for rank in range(world_size):
+            p = ctx.Process(
+                target=_child,
+                args=(fn, rank, world_size, args, str(workdir / "store"), paths[rank]),
+                daemon=True,
+            )
+            p.start()
+            procs.append(p)
+        deadline = time.monotonic() + timeout_s
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            if any(not p.is_alive() and p.exitcode != 0 for p in procs):
+                time.sleep(5)  # let the others report, then give up
+                break
+            time.sleep(0.1)
+        problems, results = [], []
+        for rank, (p, path) in enumerate(zip(procs, paths)):
+            if p.is_alive():
+                problems.append(f"rank {rank} hung (killed after {timeout_s:.0f} s)")
+                results.append(None)
+                continue
+            if not os.path.exists(path):
+                problems.append(f"rank {rank} died (exit code {p.exitcode}) without a result")
+                results.append(None)
+                continue
+            with open(path, "rb") as f:
+                status, value = pickle.load(f)
+            if status != "ok":
+                problems.append(f"rank {rank}: {value}")
+            results.append(value)
+        if problems:
+            raise RuntimeError("\n".join(problems))
+        return results
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=10)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------- rank bodies
+
+
+def _rank_pattern(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    # Small integers: exact in bf16 (< 256) and exact when summed in fp32.
+    return ((torch.arange(numel, device="cuda") % 16) + 16 * rank).to(dtype)
+
+
+def _run_correctness(rank: int, world_size: int, modes: list[str], fence_via: str) -> dict:
+    from megatron_odc.transport.cuda import CudaSymmTransport
+
+    report: dict[str, Any] = {}
+    n = 10007  # odd: not a multiple of any block size
+    for mode in modes:
+        failures = []
+        t = CudaSymmTransport(None, accumulate_mode=mode, fence_via=fence_via)
+        report["features"] = str(t.features)
+        p_bf16 = t.register("p_bf16", n, torch.bfloat16)
+        p_f32 = t.register("p_f32", n, torch.float32)
+        g = t.register("g", n, torch.float32)
+        p_bf16.copy_(_rank_pattern(rank, n, torch.bfloat16))
+        p_f32.copy_(_rank_pattern(rank, n, torch.float32))
+        t.fence()
+        for name, dtype in (("p_bf16", torch.bfloat16), ("p_f32", torch.float32)):
+            out = torch.empty(world_size * n, dtype=dtype, device="cuda")
+            t.gather_shards(name, out)
+            expected = torch.cat([_rank_pattern(r, n, dtype) for r in range(world_size)])
+            if not torch.equal(out, expected):
+                failures.append(f"{mode}: gather_shards({name}) differs from the shards")
+        peer = (rank + 1) % world_size
+        part = torch.empty(100, dtype=torch.float32, device="cuda")
+        t.get("p_f32", peer, 5, part)
+        if not torch.equal(part, _rank_pattern(peer, n, torch.float32)[5:105]):
+            failures.append(f"{mode}: get at offset 5 from rank {peer} differs")
+
+        # Everyone accumulates into every owner at once, 3 times, plus a bf16 source: exact integer sums.
+        idx = torch.arange(world_size * n, device="cuda")
+        for _ in range(3):
+            t.scatter_accumulate("g", ((rank + 1) * (1 + idx % 7)).float())
+        t.scatter_accumulate("g", ((idx % 5) + rank).to(torch.bfloat16))
+        t.fence()
+        mine = idx[rank * n : (rank + 1) * n]
+        total_ranks = sum(r + 1 for r in range(world_size))
+        expected = (
+            3 * total_ranks * (1 + mine % 7) + world_size * (mine % 5) + sum(range(world_size))
+        )
+        if not torch.equal(g, expected.float()):
+            bad = int((g != expected.float()).sum())
+            failures.append(f"{mode}: concurrent accumulate lost or duplicated {bad} element(s)")
+
+        # Random fp32 sums: float64 oracle; deterministic mode must repeat bitwise.
+        repeats = []
+        for _ in range(2):
+            g.zero_()
+            t.fence()
+            gen = torch.Generator(device="cuda").manual_seed(1234 + rank)
+            t.scatter_accumulate(
+                "g", torch.randn(world_size * n, device="cuda", generator=gen) * (rank + 1)
+            )
+            t.fence()
+            repeats.append(g.clone())
+        oracle = torch.zeros(n, dtype=torch.float64, device="cuda")
+        for r in range(world_size):
+            gen = torch.Generator(device="cuda").manual_seed(1234 + r)
+            full = torch.randn(world_size * n, device="cuda", generator=gen) * (r + 1)
+            oracle += full[rank * n : (rank + 1) * n].double()
+        err = float((repeats[0].double() - oracle).abs().max())
+        if err > 1e-4:
+            failures.append(f"{mode}: random sums off by {err:.3g} against float64")
+        if mode == "deterministic" and not torch.equal(repeats[0], repeats[1]):
+            failures.append("deterministic: two identical runs differ bitwise")
+        failures += _overlap_round(t, rank, world_size, n, mode)
+        report[mode] = {"failures": failures, "max_abs_err": err}
+        t.close()
+    return report
+
+
+def _overlap_round(t, rank: int, world_size: int, n: int, mode: str) -> list[str]:
+    """Fetch / compute / push of 4 buckets through ``OverlapSchedule`` on CUDA streams."""
+    from megatron_odc.transport.streams import BucketWork, OverlapSchedule, TorchStreams
+
+    g = t.local("g")
+    g.zero_()
+    t.fence()
+    num_buckets, chunk = 4, n // 4
+    peer = (rank + 1) % world_size  # fetch from and push to the next rank
+    working = [torch.empty(chunk, device="cuda") for _ in range(num_buckets)]
+    grads = [torch.empty(chunk, device="cuda") for _ in range(num_buckets)]
+
+    def work(k: int) -> BucketWork:
+        return BucketWork(
+            fetch=lambda: t.get("p_f32", peer, k * chunk, working[k]),
+            compute=lambda: torch.mul(working[k], 2.0, out=grads[k]),
+            push=lambda: t.accumulate("g", peer, k * chunk, grads[k]),
+        )
+
+    schedule = OverlapSchedule(TorchStreams("cuda"), max_fetched=2, max_pushing=1)
+    schedule.run([work(k) for k in range(num_buckets)])
+    schedule.fence()
+    t.fence()
+    # Owner r received exactly one push: from rank r - 1, which fetched r's own shard.
+    expected = 2.0 * _rank_pattern(rank, n, torch.float32)[: num_buckets * chunk]
+    if not torch.equal(g[: num_buckets * chunk], expected):
+        return [f"{mode}: overlap schedule (fetch/compute/push on streams) gave wrong sums"]
+    return []
+
+
+def _time_op(fn: Callable[[], None], repeats: int) -> float:
+    """Median seconds of ``fn`` (which must leave its work complete), after one warm-up."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _run_bandwidth(rank: int, world_size: int, size_mib: int, repeats: int, fence_via: str) -> dict:
+    from megatron_odc.transport.cuda import CudaSymmTransport
+
+    numel = size_mib * (1 << 20) // 4
+    nbytes = numel * 4
+    atomic = CudaSymmTransport(None, accumulate_mode="atomic", fence_via=fence_via)
+    det = CudaSymmTransport(None, accumulate_mode="deterministic", fence_via=fence_via)
+    shard = atomic.register("b", numel, torch.float32)
+    atomic.register("g", numel, torch.float32)
+    det.register("g", numel, torch.float32)
+    shard.fill_(float(rank + 1))
+    src = torch.full((numel,), 0.5, device="cuda")
+    dst = torch.empty(numel, device="cuda")
+    atomic.fence()
+    det.fence()
+    result: dict[str, float] = {}
+    # Rank 1 waits on the host (gloo), not in a barrier kernel that would share the GPU with the timing.
+    if rank == 0:
+        secs = {
+            "copy": _time_op(lambda: dst.copy_(src), repeats),
+            "get": _time_op(lambda: atomic.get("b", 1, 0, dst), repeats),
+            "add": _time_op(lambda: dst.add_(src), repeats),
+            "acc_atomic": _time_op(
+                lambda: (atomic.accumulate("g", 1, 0, src), atomic.flush()), repeats
+            ),
+            "acc_det": _time_op(lambda: (det.accumulate("g", 1, 0, src), det.flush()), repeats),
+        }
+        result = {f"{k}_gbps": nbytes / v / 1e9 for k, v in secs.items()}
+        result["get_vs_copy"] = result["get_gbps"] / result["copy_gbps"]
+        result["acc_vs_add"] = result["acc_atomic_gbps"] / result["add_gbps"]
+        result["acc_det_vs_add"] = result["acc_det_gbps"] / result["add_gbps"]
+    dist.barrier()
+    atomic.fence()
+    det.fence()  # rank 1 reduces the deterministic staging here
+    atomic.close()
+    det.close()
+    return result
+
+
+def _gpt_batches(cfg, step: int, dp_rank: int, count: int) -> list[dict[str, torch.Tensor]]:
+    batches = []
+    for i in range(count):
+        gen = torch.Generator().manual_seed(1000 * step + 37 * dp_rank + i)
+        s = cfg.seq_length
+        seq = torch.randint(0, cfg.vocab_size, (1, s + 1), generator=gen)
+        mask = (torch.rand(1, s, generator=gen) > 0.2).float()
+        mask[:, 0] = 1.0
+        batch = {
+            "tokens": seq[:, :-1],
+            "labels": seq[:, 1:],
+            "loss_mask": mask,
+            "position_ids": torch.arange(s).unsqueeze(0),
+            "attention_mask": torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1),
+        }
+        batches.append({k: v.contiguous().cuda() for k, v in batch.items()})
+    return batches
+
+
+def _forward_step(data_iterator, model):
+    import functools
+
+    batch = next(data_iterator)
+    output = model(
+        batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
+    )
+
+    def loss_func(loss_mask, output_tensor):
+        losses = output_tensor.float().reshape(-1)
+        mask = loss_mask.reshape(-1).float()
+        loss_sum = (losses * mask).sum()
+        num_tokens = mask.sum().to(torch.int)
+        return loss_sum, num_tokens, {"lm loss": torch.stack([loss_sum.detach(), mask.sum()])}
+
+    return output, functools.partial(loss_func, batch["loss_mask"])
+
+
+def _train(backend: str, cfg, seed: int, steps: int, te_spec: bool, fp8: str | None) -> dict:
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_odc.backends import build_backend
+    from megatron_odc.model import build_gpt_model
+    from megatron_odc.step import train_step
+
+    if te_spec:
+        model = _build_te_model(cfg, seed, fp8)
+    else:
+        model = build_gpt_model(cfg, seed)
+    model = model.cuda()
+    if cfg.bf16:
+        model = Float16Module(model.config, model)
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=1e-3,
+        weight_decay=0.01,
+        clip_grad=1.0,
+        bf16=cfg.bf16,
+        params_dtype=cfg.params_dtype,
+    )
+    options = {"odc_transport": "cuda", "odc_bucket_size": 20_000, "odc_check_params_equal": False}
+    wrapped, optimizer = build_backend(
+        backend, model, opt_config, odc_options=options if backend == "odc" else None
+    )
+    dp_rank = dist.get_rank()
+    losses = []
+    for step in range(steps):
+        batches = _gpt_batches(cfg, step, dp_rank, 2)
+        out = train_step(wrapped, optimizer, _forward_step, batches, seq_length=cfg.seq_length)
+        total = torch.stack([r["lm loss"] for r in out["losses"]]).sum(dim=0)
+        report = total.detach().double().cpu()  # gloo: reduce on the host
+        dist.all_reduce(report)
+        losses.append(float(report[0] / report[1]))
+    state = {}
+    if backend == "odc":
+        sd = wrapped.state_dict()
+    else:
+        sd = wrapped.module.state_dict()
+    for k, v in sd.items():
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            state[k.removeprefix("module.")] = v.detach().float().cpu()
+    if hasattr(wrapped, "close"):
+        wrapped.close()
+    return {"losses": losses, "state": state}
+
+
+def _build_te_model(cfg, seed: int, fp8: str | None):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_odc.fp8 import check_fp8_recipe, check_te_request
+    from megatron_odc.model import transformer_config
+
+    check_te_request(transformer_impl="transformer_engine", fp8=fp8)
+    model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(seed)
+    config = transformer_config(cfg)
+    if fp8:
+        config.fp8 = fp8
+        config.fp8_recipe = "tensorwise"
+    check_fp8_recipe(config)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_with_transformer_engine_spec(),
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.seq_length,
+        share_embeddings_and_output_weights=cfg.share_embeddings_and_output_weights,
+        position_embedding_type=cfg.position_embedding_type,
+    )
+
+
+def _gpt_config(te: bool):
+    from megatron_odc.model import GPTConfig
+
+    return GPTConfig(
+        num_layers=2,
+        hidden_size=128 if te else 64,
+        num_attention_heads=4,
+        ffn_hidden_size=256 if te else 176,
+        vocab_size=256,
+        seq_length=64 if te else 48,
+        params_dtype=torch.bfloat16,
+        bf16=True,
+        normalization="LayerNorm",
+    )
+
+
+def _run_parity(rank: int, world_size: int, steps: int, te: bool, fp8: str | None) -> dict:
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    try:
+        cfg = _gpt_config(te)
+        odc = _train("odc", cfg, 7, steps, te, fp8)
+        ddp = _train("ddp", cfg, 7, steps, te, fp8)
+    finally:
+        parallel_state.destroy_model_parallel()
+    worst = 0.0
+    for name, ref in ddp["state"].items():
+        got = odc["state"].get(name)
+        if got is None or got.shape != ref.shape:
+            return {"error": f"parameter {name!r} missing or reshaped under ODC"}
+        worst = max(worst, float((got - ref).norm() / ref.norm().clamp_min(1e-12)))
+    return {"odc_losses": odc["losses"], "ddp_losses": ddp["losses"], "param_rel_err": worst}
+
+
+def _run_fp8_bookkeeping(rank: int, world_size: int) -> dict:
+    from megatron_odc.fp8 import (
+        FP8ParamShard,
+        FP8ShardBookkeeper,
+        dequantize,
+        quantization_error_bound,
+    )
+
+    gen = torch.Generator().manual_seed(5)
+    full = torch.randn(2 * 4099, generator=gen).cuda() * 0.03
+    full[17] = 0.9  # the global amax lives on rank 0's half only
+    n = full.numel() // world_size
+    mine = full[rank * n : (rank + 1) * n].contiguous()
+    book = FP8ShardBookkeeper([FP8ParamShard("w", 0, 0, n)])
+    data = torch.zeros(n, dtype=torch.uint8, device="cuda")
+    scale_inv = book.requantize(mine, data, None)
+    back = dequantize(data, float(scale_inv[0]))
+    ok = bool(
+        (
+            (back - mine).abs()
+            <= quantization_error_bound(mine, 1 / float(scale_inv[0])) * 1.000001
+        ).all()
+    )
+    expected = float(full.abs().max()) / 448.0
+    return {"scale_inv": float(scale_inv[0]), "expected": expected, "round_trip_ok": ok}
+
+
+# ---------------------------------------------------------------------- checks
+
+
+def _check_correctness(args, world_size: int) -> tuple[bool, str, dict]:
+    results = run_world(
+        _run_correctness,
+        world_size,
+        ["atomic", "deterministic"],
+        args.fence_via,
+        timeout_s=args.timeout_s,
+    )
+    failures = [
+        f"rank {r}: {f}"
+        for r, res in enumerate(results)
+        for m in ("atomic", "deterministic")
+        for f in res[m]["failures"]
+    ]
+    err = max(res[m]["max_abs_err"] for res in results for m in ("atomic", "deterministic"))
+    detail = (
+        f"atomic+deterministic, max|err| {err:.2g}" if not failures else "; ".join(failures[:3])
+    )
+    return not failures, detail, {"results": results}
+
+
+def _check_bandwidth(args) -> tuple[bool, str, dict]:
+    res = run_world(
+        _run_bandwidth, 2, args.size_mib, args.repeats, args.fence_via, timeout_s=args.timeout_s
+    )[0]
+    ok = res["get_vs_copy"] >= GET_TARGET and res["acc_vs_add"] >= ACCUMULATE_TARGET
+    detail = (
+        f"get {res['get_gbps']:.0f} vs copy {res['copy_gbps']:.0f} GB/s ({res['get_vs_copy']:.2f}x); "
+        f"acc {res['acc_atomic_gbps']:.0f} vs add_ {res['add_gbps']:.0f} ({res['acc_vs_add']:.2f}x); "
+        f"det acc {res['acc_det_gbps']:.0f} ({res['acc_det_vs_add']:.2f}x)"
+    )
+    return ok, detail, res
+
+
+def _check_parity(args) -> tuple[bool, str, dict]:
+    res = run_world(_run_parity, 2, 3, False, None, timeout_s=args.timeout_s)[0]
+    if "error" in res:
+        return False, res["error"], res
+    loss_err = max(abs(a - b) / abs(b) for a, b in zip(res["odc_losses"], res["ddp_losses"]))
+    ok = loss_err <= BF16_LOSS_RTOL and res["param_rel_err"] <= BF16_PARAM_RTOL
+    detail = (
+        f"loss rel err {loss_err:.2g}, param rel err {res['param_rel_err']:.2g} (bf16 tol 2e-2)"
+    )
+    return ok, detail, res
+
+
+def _check_fp8(args) -> tuple[bool, str, dict]:
+    from megatron_odc.fp8 import transformer_engine_available
+
+    book = run_world(_run_fp8_bookkeeping, 2, timeout_s=args.timeout_s)
+    same = book[0]["scale_inv"] == book[1]["scale_inv"]
+    ok = same and all(b["round_trip_ok"] for b in book)
+    ok = ok and abs(book[0]["scale_inv"] - book[0]["expected"]) <= 1e-6 * book[0]["expected"]
+    detail = f"bookkeeping {'ok' if ok else 'FAILED'} (scale_inv {book[0]['scale_inv']:.3g})"
+    extra: dict[str, Any] = {"bookkeeping": book}
+    if not transformer_engine_available():
+        return ok, detail + "; TE not importable: TE step skipped", extra
+    res = run_world(_run_parity, 2, 1, True, "hybrid", timeout_s=args.timeout_s)[0]
+    extra["te_step"] = res
+    if "error" in res:
+        return False, detail + "; TE step: " + res["error"], extra
+    loss = res["odc_losses"][0]
+    rel = abs(loss - res["ddp_losses"][0]) / abs(res["ddp_losses"][0])
+    te_ok = loss == loss and abs(loss) != float("inf") and rel <= FP8_LOSS_RTOL
+    return ok and te_ok, detail + f"; TE fp8 step loss {loss:.4g} (vs ddp rel {rel:.2g})", extra
+
+
+CHECKS: dict[str, Callable[[argparse.Namespace], tuple[bool, str, dict]]] = {
+    "correctness w=2": lambda a: _check_correctness(a, 2),
+    "correctness w=4": lambda a: _check_correctness(a, 4),
+    "bandwidth w=2": _check_bandwidth,
+    "parity w=2 odc vs ddp": _check_parity,
+    "fp8 w=2": _check_fp8,
+}
+RANK_FUNCTIONS = (_run_correctness, _run_bandwidth, _run_parity, _run_fp8_bookkeeping)
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--dry-run", action="store_true", help="check imports and arguments; run nothing"
+    )
+    parser.add_argument(
+        "--size-mib", type=int, default=256, help="shard size of the bandwidth check"
+    )
+    parser.add_argument("--repeats", type=int, default=5, help="timed repeats per operation")
+    parser.add_argument("--timeout-s", type=float, default=150.0, help="deadline of one check")
+    parser.add_argument(
+        "--budget-s", type=float, default=450.0, help="skip checks that start later"
+    )
+    parser.add_argument(
+        "--only", nargs="+", choices=sorted(CHECKS), metavar="CHECK", help="run only these checks"
+    )
+    parser.add_argument(
+        "--fence-via",
+        choices=("symm_mem", "process_group"),
+        default="symm_mem",
+        help="fence of the transport checks: symm-mem barrier kernel or a host barrier",
+    )
+    parser.add_argument("--json", type=Path, help="also write every number to this file")
+    args = parser.parse_args(argv)
+    if args.size_mib < 1 or args.repeats < 1 or args.timeout_s <= 0:
+        parser.error("--size-mib, --repeats and --timeout-s must be positive")
+    return args
+
+
+def _table(rows: list[tuple[str, str, str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(2)]
+    lines = [f"{'check':<{widths[0]}}  {'result':<{widths[1]}}  numbers"]
+    lines += [f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c}" for a, b, c in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _dry_run(args: argparse.Namespace) -> int:
+    import megatron_odc.fp8
+    import megatron_odc.transport.cuda as cuda_transport
+    import megatron_odc.transport.streams
+
+    for fn in RANK_FUNCTIONS:
+        pickle.dumps(fn)
+    feats = cuda_transport.probe_symm_mem()
+    try:  # exactly the names the parity and FP8 rank bodies import
+        from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: F401
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+        from megatron.core.optimizer import OptimizerConfig  # noqa: F401
+        from megatron.core.transformer.module import Float16Module  # noqa: F401
+
+        from megatron_odc.backends import build_backend  # noqa: F401
+        from megatron_odc.model import GPTConfig, build_gpt_model, transformer_config  # noqa: F401
+        from megatron_odc.step import train_step  # noqa: F401
+
+        megatron_state = "importable"
+    except ImportError as exc:
+        megatron_state = f"missing ({exc}): the parity check would fail"
+    triton_state = "importable"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        triton_state = "not importable (atomic mode needs it on the GPU box)"
+    names = args.only or list(CHECKS)
+    sys.stdout.write(
+        f"dry run: torch {torch.__version__}, cuda available {torch.cuda.is_available()}\n"
+        f"symm_mem: {', '.join(cuda_transport.describe_features(feats))}\n"
+        f"triton: {triton_state}; megatron-core: {megatron_state}; TransformerEngine: "
+        f"{'importable' if megatron_odc.fp8.transformer_engine_available() else 'not importable'}\n"
+        + "".join(f"would run: {name}\n" for name in names)
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the checks; print the table last; exit 0 only if every check passed."""
+    args = _parse(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    if args.dry_run:
+        return _dry_run(args)
+    if not torch.cuda.is_available():
+        sys.stdout.write("no CUDA device: nothing to check (use --dry-run on CPU)\n")
+        return 2
+    start = time.monotonic()
+    rows, numbers = [], {}
+    for name in args.only or list(CHECKS):
+        if time.monotonic() - start > args.budget_s:
+            rows.append((name, "SKIPPED", f"time budget {args.budget_s:.0f} s spent"))
+            continue
+        logger.info("running %s", name)
+        t0 = time.monotonic()
+        try:
+            ok, detail, extra = CHECKS[name](args)
+        except Exception as exc:  # report and go on with the next check
+            ok, detail, extra = False, f"{type(exc).__name__}: {str(exc)[:300]}", {}
+            logger.error("%s failed:\n%s", name, exc)
+        numbers[name] = {"ok": ok, "detail": detail, "seconds": time.monotonic() - t0}
+        with contextlib.suppress(TypeError, ValueError):
+            json.dumps(extra)
+            numbers[name]["extra"] = extra
+        rows.append((name, "PASS" if ok else "FAIL", f"{detail} [{time.monotonic() - t0:.0f} s]"))
+    if args.json:
+        args.json.write_text(json.dumps(numbers, indent=2, default=str))
+    header = (
+        f"gpu_check: torch {torch.__version__}, {torch.cuda.get_device_name(0)}, "
+        f"{time.monotonic() - start:.0f} s\n"
+    )
+    sys.stdout.write(header + _table(rows))
+    return 0 if all(r[1] == "PASS" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

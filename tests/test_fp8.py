@@ -1,0 +1,253 @@
+"""FP8 bookkeeping with the stand-in quantiser: rounding against an enumerated E4M3 grid, round-trip
+bounds, DP-wide amax (equal scales on every rank, one all_reduce), re-quantisation after a step,
+the ``tp_only_amax_red`` rule, and the TransformerEngine-missing errors.
+"""
+
+from __future__ import annotations
+
+import enum
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_odc import fp8
+from megatron_odc.fp8 import (
+    FP8ParamShard,
+    FP8ShardBookkeeper,
+    check_fp8_recipe,
+    check_te_request,
+    compute_scale,
+    dequantize,
+    quantization_error_bound,
+    quantize,
+    select_fp8_params,
+)
+from tests._dist import run_ranks
+
+HAVE_TE = fp8.transformer_engine_available()
+HAVE_FP8_DTYPE = hasattr(torch, "float8_e4m3fn")
+
+
+def _e4m3_grid() -> torch.Tensor:
+    """Every finite E4M3FN magnitude, from its definition (bias 7, 3 mantissa bits, max 448)."""
+    values = [m / 8 * 2.0**-6 for m in range(8)]  # subnormals (and zero)
+    for e in range(1, 16):
+        for m in range(8):
+            if e == 15 and m == 7:
+                continue  # NaN encoding
+            values.append((1 + m / 8) * 2.0 ** (e - 7))
+    return torch.tensor(sorted(values), dtype=torch.float64)
+
+
+@pytest.mark.skipif(not HAVE_FP8_DTYPE, reason="torch without float8 dtypes uses the int8 grid")
+def test_quantize_rounds_to_the_nearest_e4m3_value() -> None:
+    grid = _e4m3_grid()
+    assert float(grid.max()) == fp8.FP8_MAX["e4m3"]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4000, generator=gen) * torch.logspace(-4, 2, 4000).float()
+    scale = 4.0  # a power of two: the dequantised value times the scale is exact
+    got = dequantize(quantize(x, scale), 1 / scale).double() * scale
+    scaled = (x.double() * scale).clamp(-448, 448)
+    nearest = grid[(scaled.abs().unsqueeze(1) - grid).abs().argmin(dim=1)] * scaled.sign()
+    torch.testing.assert_close(got, nearest, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_round_trip_within_the_bound_and_not_lossless(fmt: str) -> None:
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(5000, generator=gen) * 0.02
+    scale = compute_scale(x.abs().max(), fmt)
+    data = quantize(x, scale, fmt)
+    assert data.dtype == torch.uint8
+    assert data.numel() == x.numel()
+    back = dequantize(data, 1 / scale, fmt)
+    err = (back - x).abs()
+    assert bool((err <= quantization_error_bound(x, scale, fmt) * (1 + 1e-6)).all())
+    assert float(err.max()) > 0, "a real FP8 quantiser loses precision"
+    rel = float((err / x.abs().clamp_min(1e-3)).max())
+    assert rel < 2.0 ** -(fp8.FP8_MANTISSA_BITS[fmt]) + 0.05
+
+
+def test_saturation_and_scale_rules() -> None:
+    amax = torch.tensor([2.0, 0.0, float("inf"), 0.5])
+    torch.testing.assert_close(compute_scale(amax), torch.tensor([224.0, 1.0, 1.0, 896.0]))
+    torch.testing.assert_close(compute_scale(torch.tensor([2.0]), margin=1), torch.tensor([112.0]))
+    x = torch.tensor([10.0, -10.0])  # beyond amax 2 -> saturates at +-448 / scale
+    back = dequantize(quantize(x, 224.0), 1 / 224.0)
+    torch.testing.assert_close(back, torch.tensor([2.0, -2.0]))
+
+
+def test_format_and_dtype_errors() -> None:
+    with pytest.raises(ValueError, match="format 'e3m4'"):
+        quantize(torch.ones(2), 1.0, "e3m4")
+    with pytest.raises(ValueError, match=r"torch\.uint8"):
+        dequantize(torch.ones(2), 1.0)
+    with pytest.raises(ValueError, match="unique"):
+        FP8ShardBookkeeper([FP8ParamShard("w", 0, 0, 1), FP8ParamShard("w", 1, 1, 1)])
+    book = FP8ShardBookkeeper([FP8ParamShard("w", 0, 0, 8)])
+    with pytest.raises(ValueError, match=r"'w'.*exceeds the main shard of 4"):
+        book.requantize(torch.ones(4), torch.zeros(8, dtype=torch.uint8), None)
+    with pytest.raises(ValueError, match=r"torch\.uint8"):
+        book.requantize(torch.ones(8), torch.zeros(8), None)
+    with pytest.raises(ValueError, match="'v' is not an FP8 parameter"):
+        book.dequantize_param("v", torch.zeros(2, dtype=torch.uint8))
+
+
+# ---------------------------------------------------------------------- multi-rank bookkeeping
+
+PARAM_NUMELS = {"a": 37, "b": 20, "c": 9}  # "c" is owned by rank 0 only: rank 1 contributes nothing
+
+
+def _full_params(step: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    # Different magnitudes per parameter so that a wrong (shared) scale would show.
+    return {
+        name: torch.randn(n, generator=gen) * (0.01 * 10**i) * (1 + step)
+        for i, (name, n) in enumerate(PARAM_NUMELS.items())
+    }
+
+
+def _owned_ranges(world_size: int) -> dict[int, dict[str, tuple[int, int]]]:
+    """Each parameter split into contiguous owned ranges; "c" lives on rank 0 only."""
+    ranges: dict[int, dict[str, tuple[int, int]]] = {r: {} for r in range(world_size)}
+    for name, n in PARAM_NUMELS.items():
+        owners = [0] if name == "c" else list(range(world_size))
+        bounds = [round(i * n / len(owners)) for i in range(len(owners) + 1)]
+        for i, r in enumerate(owners):
+            ranges[r][name] = (bounds[i], bounds[i + 1])
+    return ranges
+
+
+def _run_bookkeeping(rank: int, world_size: int) -> dict:
+    mine = _owned_ranges(world_size)[rank]
+    shards, offset = [], 0
+    for name in PARAM_NUMELS:
+        lo, hi = mine.get(name, (0, 0))
+        shards.append(FP8ParamShard(name, offset, offset, hi - lo))
+        offset += hi - lo
+    book = FP8ShardBookkeeper(shards)
+    calls = []
+    real_all_reduce = dist.all_reduce
+
+    def counting_all_reduce(*args, **kwargs):
+        calls.append(kwargs.get("op"))
+        return real_all_reduce(*args, **kwargs)
+
+    dist.all_reduce = counting_all_reduce
+    out = {"scale_inv": [], "fetched": [], "calls": []}
+    try:
+        for step in range(2):  # step 1 = after an optimizer step changed the masters
+            full = _full_params(step)
+            main = torch.cat([full[n][slice(*mine.get(n, (0, 0)))] for n in PARAM_NUMELS])
+            fp8_shard = torch.zeros(offset, dtype=torch.uint8)
+            calls.clear()
+            scale_inv = book.requantize(main, fp8_shard, None)
+            out["calls"].append(list(calls))
+            out["scale_inv"].append(scale_inv.clone())
+            # Fetch: every rank's shard bytes (an all-gather stands in for the one-sided gets).
+            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
+            dist.all_gather(sizes, torch.tensor([offset]))
+            padded = torch.zeros(int(max(s.item() for s in sizes)), dtype=torch.uint8)
+            padded[:offset] = fp8_shard
+            gathered = [torch.zeros_like(padded) for _ in range(world_size)]
+            dist.all_gather(gathered, padded)
+            out["fetched"].append(gathered)
+    finally:
+        dist.all_reduce = real_all_reduce
+    return out
+
+
+def test_dp_amax_gives_every_rank_the_same_scales_and_faithful_fetches() -> None:
+    world_size = 2
+    results = run_ranks(_run_bookkeeping, world_size, timeout_s=90)
+    ranges = _owned_ranges(world_size)
+    for step in range(2):
+        full = _full_params(step)
+        # Oracle: scale from the global amax of each full parameter.
+        expected_scale_inv = 1 / compute_scale(torch.stack([full[n].abs().max() for n in full]))
+        for rank in range(world_size):
+            torch.testing.assert_close(
+                results[rank]["scale_inv"][step], expected_scale_inv, rtol=0, atol=0
+            )
+            assert results[rank]["calls"][step] == [dist.ReduceOp.MAX], "one MAX all_reduce"
+        # Reassemble each parameter from the fetched bytes of its owners and dequantise.
+        gathered = results[0]["fetched"][step]
+        for i, name in enumerate(PARAM_NUMELS):
+            pieces = []
+            for r in range(world_size):
+                if name not in ranges[r]:
+                    continue
+                lo, hi = ranges[r][name]
+                start = sum(
+                    ranges[r].get(n, (0, 0))[1] - ranges[r].get(n, (0, 0))[0]
+                    for n in list(PARAM_NUMELS)[:i]
+                )
+                pieces.append(gathered[r][start : start + hi - lo])
+            data = torch.cat(pieces)
+            back = dequantize(data, float(expected_scale_inv[i]))
+            bound = quantization_error_bound(full[name], 1 / float(expected_scale_inv[i]))
+            assert bool(((back - full[name]).abs() <= bound * (1 + 1e-6)).all()), (step, name)
+    # The step changed the masters, so the re-quantised scales changed too.
+    assert not torch.equal(results[0]["scale_inv"][0], results[0]["scale_inv"][1])
+
+
+# ---------------------------------------------------------------------- config rules
+
+
+class _Recipe(str, enum.Enum):
+    delayed = "delayed"
+    tensorwise = "tensorwise"
+
+
+def _cfg(**kw) -> types.SimpleNamespace:
+    return types.SimpleNamespace(**{"fp8": "hybrid", "fp8_recipe": "delayed", **kw})
+
+
+def test_tp_only_amax_red_rule() -> None:
+    with pytest.raises(ValueError, match="--tp-only-amax-red"):
+        check_fp8_recipe(_cfg())
+    with pytest.raises(ValueError, match="--tp-only-amax-red"):
+        check_fp8_recipe(_cfg(fp8_recipe=_Recipe.delayed))
+    check_fp8_recipe(_cfg(tp_only_amax_red=True))
+    check_fp8_recipe(_cfg(fp8_recipe=_Recipe.tensorwise))
+    check_fp8_recipe(_cfg(fp8_recipe="mxfp8"))
+    check_fp8_recipe(_cfg(fp8=None))  # no FP8: nothing to check
+    with pytest.raises(ValueError, match="'custom' is not supported"):
+        check_fp8_recipe(_cfg(fp8_recipe="custom", tp_only_amax_red=True))
+
+
+def test_select_fp8_params_with_a_predicate() -> None:
+    params = [
+        ("a", torch.zeros(2)),
+        ("b", torch.zeros(3, dtype=torch.uint8)),
+        ("c", torch.zeros(1)),
+    ]
+    assert select_fp8_params(params, lambda p: p.dtype == torch.uint8) == ["b"]
+    if not HAVE_TE:
+        assert select_fp8_params(params) == []  # FP8 params exist only under TE
+
+
+@pytest.mark.skipif(HAVE_TE, reason="checks the TransformerEngine-missing errors")
+def test_te_missing_errors_are_clear() -> None:
+    with pytest.raises(
+        ValueError, match=r"--transformer-impl transformer_engine.*TransformerEngine"
+    ):
+        check_te_request(transformer_impl="transformer_engine")
+    with pytest.raises(ValueError, match=r"--fp8-format hybrid needs TransformerEngine.*local"):
+        check_te_request(transformer_impl="local", fp8="hybrid")
+    with pytest.raises(ValueError, match="TransformerEngine"):
+        fp8.te_fp8_parts(torch.zeros(2), "w")
+    with pytest.raises(ValueError, match="TransformerEngine"):
+        fp8.te_post_all_gather_processing([])
+    with pytest.raises(ValueError, match="TransformerEngine"):
+        fp8.te_quantize_param_shard([], [], [], None)
+    check_te_request(transformer_impl="local")  # nothing TE-specific requested: fine
+
+
+def test_fp8_param_gather_needs_fp8() -> None:
+    with pytest.raises(ValueError, match="--fp8-param-gather needs --fp8-format"):
+        check_te_request(fp8_param=True)
+    with pytest.raises(ValueError, match="3 params, 2 main shards"):
+        fp8.te_quantize_param_shard([1, 2, 3], [1, 2], [0, 0, 0], None)
