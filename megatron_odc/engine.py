@@ -405,7 +405,14 @@ class ODCEngine:
     def begin_minibatch(self) -> None:
         """Zero the owned accumulators, then fence: peers' params of the last step are visible."""
         self._check_open()
-        self.release_all()
+        for unit in self.layout.units:
+            if self.unit_state(unit) is BucketState.PUSHING:
+                bucket = self._unit_buckets(unit)[0]
+                raise RuntimeError(
+                    f"DP rank {self.dp_rank}: a minibatch began while bucket {bucket} (unit {unit!r}) "
+                    "still holds unpushed gradients; a backward pass did not finish"
+                )
+            self.release(unit)
         for bucket in self.layout.buckets:
             self.transport.local(self._grad_buffer(bucket.index)).zero_()
         self.telemetry.begin_minibatch()
