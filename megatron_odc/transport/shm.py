@@ -1,0 +1,447 @@
+"""The shared-memory transport: one-sided get and accumulate between the ranks of one host.
+
+Every rank's shard of every buffer is a file in ``shm_dir`` (``/dev/shm`` by default) that every rank of the
+group maps with ``torch.from_file(shared=True)``. ``get`` is a ``copy_`` out of the peer's mapping and
+``accumulate`` an ``add_`` into it; the owner does nothing. Concurrent accumulates are made safe by striped
+Linux OFD byte-range locks (one lock byte per stripe of ``lock_stripe_nbytes`` of each owner's shard), which
+the kernel releases if the holder dies. ``fence`` is a barrier on a small shared control block (one epoch
+and one pid slot per rank) rather than on gloo, so that it can name a dead or missing peer.
+
+Every file is unlinked as soon as all ranks have mapped it, so a crashed run leaves nothing behind; file
+names carry the creator's pid, and rank 0 removes files of dead creators at construction.
+
+This module owns the ``ShmTransport`` class and its file naming. It imports no megatron module.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import errno
+import fcntl
+import functools
+import logging
+import os
+import re
+import socket
+import struct
+import threading
+import time
+import uuid
+import weakref
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron_odc.transport.base import BufferSpec, Transport, TransportError
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR_ENV = "MEGATRON_ODC_SHM_DIR"
+"""Environment variable that overrides the default shared-memory directory."""
+
+DEFAULT_SHM_DIR = "/dev/shm"
+FILE_PREFIX = "megatron_odc-"
+"""Every file this transport creates is named ``megatron_odc-p<creator pid>-<run id>-<what>``."""
+
+_STALE_NAME = re.compile(r"^megatron_odc-p(\d+)-")
+_FLOCK_FORMAT = "hhqqi4x"  # struct flock on Linux/x86-64 and aarch64: type, whence, start, len, pid
+_FENCE_SLEEP_START_S = 50e-6
+_FENCE_SLEEP_CAP_S = 2e-3
+_LIVENESS_PERIOD_S = 0.1
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host and is not a zombie."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no procfs, or the process vanished just now: the next check decides
+    # The state letter follows the parenthesised command name, which may itself contain ')'.
+    state = stat[stat.rfind(")") + 2 : stat.rfind(")") + 3]
+    return state not in ("Z", "X")
+
+
+def remove_stale_files(shm_dir: str | os.PathLike[str]) -> list[str]:
+    """Remove ``megatron_odc-*`` files in ``shm_dir`` whose creator process no longer exists.
+
+    Args:
+        shm_dir: the shared-memory directory to clean.
+
+    Returns:
+        The names of the files removed.
+    """
+    removed = []
+    with os.scandir(shm_dir) as entries:
+        for entry in entries:
+            match = _STALE_NAME.match(entry.name)
+            if match is None or _pid_alive(int(match.group(1))):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+                removed.append(entry.name)
+    if removed:
+        logger.info("removed %d stale shared-memory file(s) in %s", len(removed), shm_dir)
+    return removed
+
+
+def _atexit_close(ref: weakref.ReferenceType[ShmTransport]) -> None:
+    transport = ref()
+    if transport is not None:
+        with contextlib.suppress(Exception):
+            transport.close()
+
+
+class ShmTransport(Transport):
+    """One rank's endpoint of the shared-memory transport over a process group on one host.
+
+    Construction is collective over ``group`` (every rank must construct it, in the same order as any other
+    collective). A transport instance may be used by several threads of its rank: each thread takes the
+    stripe locks through its own open file description.
+
+    Args:
+        group: the process group (gloo); ``None`` means the default (WORLD) group. All its ranks must run
+            on one host. ``rank`` and ``world_size`` are ranks within this group, and peers are addressed
+            by group rank.
+        shm_dir: directory for the shared files; defaults to ``$MEGATRON_ODC_SHM_DIR`` or ``/dev/shm``.
+        timeout_s: how long ``fence`` waits for a peer before raising ``TransportError``.
+        lock_stripe_nbytes: bytes of an owner's shard covered by one accumulate lock.
+
+    Raises:
+        ValueError: ``shm_dir`` does not exist or is not writable, the ranks are on different hosts, or an
+            argument is out of range.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        shm_dir: str | os.PathLike[str] | None = None,
+        timeout_s: float = 60.0,
+        lock_stripe_nbytes: int = 1 << 20,
+    ) -> None:
+        if not dist.is_initialized():
+            raise ValueError("ShmTransport needs an initialized torch.distributed process group")
+        super().__init__(dist.get_rank(group), dist.get_world_size(group))
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if int(lock_stripe_nbytes) != lock_stripe_nbytes or lock_stripe_nbytes < 4:
+            raise ValueError(
+                f"lock_stripe_nbytes must be an integer >= 4, got {lock_stripe_nbytes}"
+            )
+        self._group = group
+        self.shm_dir = Path(shm_dir or os.environ.get(SHM_DIR_ENV) or DEFAULT_SHM_DIR)
+        self.timeout_s = float(timeout_s)
+        self.lock_stripe_nbytes = int(lock_stripe_nbytes)
+        self._pid = os.getpid()
+        self._created: set[Path] = set()  # files this rank created that may still exist
+        self._peer_views: dict[str, list[torch.Tensor]] = {}
+        self._peer_arrays: dict[str, list[np.ndarray]] = {}  # numpy views of the fp32 ones
+        self._lock_base: dict[str, int] = {}  # first lock byte of each buffer
+        self._next_lock_byte = 0
+        self._num_buffers = 0
+        self._fence_epoch = 0
+        self._fds_lock = threading.Lock()
+        self._fds: list[int] = []  # every lock-file descriptor this rank opened
+        self._thread_fd = threading.local()
+        self._lock_fd = -1
+        self._owner_thread = threading.get_ident()  # the thread that uses ``_lock_fd`` itself
+        self._ctrl: torch.Tensor | None = None
+        self._ctrl_epochs: torch.Tensor | None = None
+        self._ctrl_pids: torch.Tensor | None = None
+        self._atexit_hook = functools.partial(_atexit_close, weakref.ref(self))
+        atexit.register(self._atexit_hook)
+        try:
+            self._setup()
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ setup
+
+    def _setup(self) -> None:
+        """Agree on a run id, create the control block and lock file, and check all ranks share a host."""
+        payload: list[object] = [None]
+        if self.rank == 0:
+            payload[0] = self._create_run_files()
+        dist.broadcast_object_list(payload, group=self._group, group_src=0)
+        result = payload[0]
+        if isinstance(result, str):  # rank 0 could not create its files: every rank raises the same
+            raise ValueError(result)
+        self.run_id, host0, ctrl_path, lock_path = result
+
+        error = None
+        try:
+            if socket.gethostname() != host0:
+                raise OSError(f"rank 0 is on host {host0!r}, this rank on {socket.gethostname()!r}")
+            # Open the lock file first: it fails if the files are absent, whereas from_file would
+            # create a new control file.
+            self._lock_fd = os.open(lock_path, os.O_RDWR)
+            self._fds.append(self._lock_fd)
+            self._ctrl = torch.from_file(
+                str(ctrl_path), shared=True, size=2 * self.world_size, dtype=torch.int64
+            )
+            self._ctrl[self.world_size + self.rank] = self._pid
+        except (OSError, RuntimeError) as exc:
+            error = (
+                f"rank {self.rank} could not open the shared control files in {self.shm_dir}: {exc}"
+            )
+        # Doubles as the barrier after which rank 0 may unlink the control block and the lock file.
+        infos: list[object] = [None] * self.world_size
+        dist.all_gather_object(infos, (socket.gethostname(), error), group=self._group)
+        if self.rank == 0:
+            self._unlink_created()
+        for rank, (host, rank_error) in enumerate(infos):
+            if host != infos[0][0]:
+                raise ValueError(
+                    f"ShmTransport needs every rank on one host: rank 0 is on {infos[0][0]!r}, rank "
+                    f"{rank} on {host!r}"
+                )
+            if rank_error is not None:
+                raise TransportError(rank_error)
+        assert self._ctrl is not None
+        self._ctrl_epochs = self._ctrl[: self.world_size]
+        self._ctrl_pids = self._ctrl[self.world_size :]
+
+    def _create_run_files(self) -> tuple[str, str, Path, Path] | str:
+        """On rank 0: remove stale files, then create the control block and lock file."""
+        if not self.shm_dir.is_dir():
+            return f"shm_dir {str(self.shm_dir)!r} does not exist or is not a directory"
+        if not os.access(self.shm_dir, os.W_OK | os.X_OK):
+            return f"shm_dir {str(self.shm_dir)!r} is not writable"
+        try:
+            remove_stale_files(self.shm_dir)
+        except OSError as exc:
+            logger.warning("could not clean stale files in %s: %s", self.shm_dir, exc)
+        run_id = uuid.uuid4().hex
+        ctrl_path = self._path(run_id, "ctrl")
+        lock_path = self._path(run_id, "lock")
+        try:
+            self._create_file(ctrl_path, 2 * self.world_size * 8)
+            self._create_file(lock_path, 0)
+        except OSError as exc:
+            self._unlink_created()
+            return f"could not create {str(exc.filename or ctrl_path)!r} in shm_dir: {exc.strerror}"
+        return run_id, socket.gethostname(), ctrl_path, lock_path
+
+    def _path(self, run_id: str, what: str) -> Path:
+        return self.shm_dir / f"{FILE_PREFIX}p{self._pid}-{run_id}-{what}"
+
+    def _create_file(self, path: Path, nbytes: int) -> None:
+        """Create ``path`` with ``nbytes`` zero bytes, reserving tmpfs pages now (ENOSPC here, not SIGBUS)."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self._created.add(path)
+        try:
+            if nbytes:
+                os.posix_fallocate(fd, 0, nbytes)
+        finally:
+            os.close(fd)
+
+    def _unlink_created(self) -> None:
+        for path in list(self._created):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            self._created.discard(path)
+
+    # ------------------------------------------------------------------ protocol
+
+    def _register(self, spec: BufferSpec) -> torch.Tensor:
+        index = self._num_buffers
+        path = self._path(self.run_id, f"b{index}-r{self.rank}")
+        local: torch.Tensor | None = None
+        error = None
+        if spec.numel:
+            try:
+                # posix_fallocate leaves the new file zero-filled, so the mapping needs no zero_().
+                self._create_file(path, spec.numel * spec.dtype.itemsize)
+                local = torch.from_file(str(path), shared=True, size=spec.numel, dtype=spec.dtype)
+            except (OSError, RuntimeError) as exc:
+                error = f"rank {self.rank} could not create and map {str(path)!r}: {exc}"
+        else:
+            local = torch.empty(0, dtype=spec.dtype)
+        try:
+            infos: list[object] = [None] * self.world_size
+            dist.all_gather_object(
+                infos, (spec.name, spec.numel, str(spec.dtype), str(path), error), group=self._group
+            )
+            self._check_same_spec(spec, infos)
+            views: list[torch.Tensor] = []
+            error = None
+            for peer, info in enumerate(infos):
+                if peer == self.rank:
+                    views.append(local)
+                    continue
+                peer_path = info[3]
+                if not spec.numel:
+                    views.append(torch.empty(0, dtype=spec.dtype))
+                    continue
+                try:
+                    views.append(
+                        torch.from_file(peer_path, shared=True, size=spec.numel, dtype=spec.dtype)
+                    )
+                except (OSError, RuntimeError) as exc:
+                    error = f"rank {self.rank} could not map rank {peer}'s {peer_path!r}: {exc}"
+                    break
+            # Barrier: once every rank has mapped every file, the owners unlink theirs.
+            errors: list[object] = [None] * self.world_size
+            dist.all_gather_object(errors, error, group=self._group)
+            for rank_error in errors:
+                if rank_error is not None:
+                    raise TransportError(f"buffer {spec.name!r}: {rank_error}")
+        finally:
+            self._unlink_created()
+        assert local is not None
+        stripe_numel = self._stripe_numel(spec)
+        num_stripes = -(-spec.numel // stripe_numel)
+        self._lock_base[spec.name] = self._next_lock_byte
+        self._next_lock_byte += self.world_size * num_stripes
+        self._peer_views[spec.name] = views
+        if spec.dtype == torch.float32:
+            self._peer_arrays[spec.name] = [view.numpy() for view in views]
+        self._num_buffers += 1
+        return local
+
+    def _check_same_spec(self, spec: BufferSpec, infos: list) -> None:
+        for info in infos:
+            if info[4] is not None:
+                raise TransportError(f"register buffer {spec.name!r}: {info[4]}")
+        first = infos[0]
+        for rank, info in enumerate(infos):
+            for field, pos in (("name", 0), ("numel", 1), ("dtype", 2)):
+                if info[pos] != first[pos]:
+                    raise ValueError(
+                        f"register: rank {rank} registered buffer {info[0]!r} with {field} "
+                        f"{info[pos]!r} but rank 0 registered {first[0]!r} with {field} {first[pos]!r}; "
+                        "every rank must register the same buffers in the same order"
+                    )
+
+    def _stripe_numel(self, spec: BufferSpec) -> int:
+        return max(1, self.lock_stripe_nbytes // spec.dtype.itemsize)
+
+    def _get(self, spec: BufferSpec, peer: int, offset: int, out: torch.Tensor) -> None:
+        out.copy_(self._peer_views[spec.name][peer][offset : offset + out.numel()])
+
+    def _accumulate(self, spec: BufferSpec, peer: int, offset: int, src: torch.Tensor) -> None:
+        numel = src.numel()
+        if numel == 0:
+            return
+        dst = self._peer_views[spec.name][peer]
+        src_flat = src.view(-1)
+        # fp32 sources go through numpy: its per-call overhead is far lower than torch's, which costs
+        # ~10% of a 1 MiB stripe's add_ (measured). Other dtypes are cast by torch's add_.
+        dst_array = src_array = None
+        if src.dtype == torch.float32:
+            dst_array = self._peer_arrays[spec.name][peer]
+            src_array = src_flat.detach().numpy()
+        stripe_numel = self._stripe_numel(spec)
+        first = offset // stripe_numel
+        num_stripes = (offset + numel - 1) // stripe_numel - first + 1
+        lock_base = self._lock_base[spec.name] + peer * -(-spec.numel // stripe_numel)
+        fd = self._thread_lock_fd()
+        # Different sources start at different stripes so that concurrent writers do not convoy.
+        rotation = self.rank % num_stripes
+        for step in range(num_stripes):
+            stripe = first + (rotation + step) % num_stripes
+            lo = max(offset, stripe * stripe_numel)
+            hi = min(offset + numel, (stripe + 1) * stripe_numel)
+            lock_byte = lock_base + stripe
+            fcntl.fcntl(
+                fd,
+                fcntl.F_OFD_SETLKW,
+                struct.pack(_FLOCK_FORMAT, fcntl.F_WRLCK, 0, lock_byte, 1, 0),
+            )
+            try:
+                if dst_array is not None:
+                    part = dst_array[lo:hi]
+                    np.add(part, src_array[lo - offset : hi - offset], out=part)
+                else:
+                    dst[lo:hi].add_(src_flat[lo - offset : hi - offset])
+            finally:
+                fcntl.fcntl(
+                    fd,
+                    fcntl.F_OFD_SETLK,
+                    struct.pack(_FLOCK_FORMAT, fcntl.F_UNLCK, 0, lock_byte, 1, 0),
+                )
+
+    def _thread_lock_fd(self) -> int:
+        """This thread's descriptor on the lock file (OFD locks exclude per open file description)."""
+        fd = getattr(self._thread_fd, "fd", None)
+        if fd is None:
+            if threading.get_ident() == self._owner_thread:
+                fd = self._lock_fd
+            else:
+                # The file is unlinked; reopening through procfs makes a new open file description.
+                fd = os.open(f"/proc/self/fd/{self._lock_fd}", os.O_RDWR)
+                with self._fds_lock:
+                    self._fds.append(fd)
+            self._thread_fd.fd = fd
+        return fd
+
+    def flush(self) -> None:
+        """Nothing is asynchronous yet: every get and accumulate is complete when it returns."""
+        self._check_open()
+
+    def fence(self) -> None:
+        """Wait until every rank of the group has reached the same number of fences.
+
+        Raises:
+            TransportError: a peer died (named with its pid), or some ranks did not arrive within
+                ``timeout_s`` (named), or the transport is closed.
+        """
+        self._check_open()
+        self._fence_epoch += 1
+        epoch = self._fence_epoch
+        self._ctrl_epochs[self.rank] = epoch
+        start = time.monotonic()
+        next_check = start + _LIVENESS_PERIOD_S
+        sleep_s = _FENCE_SLEEP_START_S
+        while True:
+            if int(self._ctrl_epochs.min()) >= epoch:
+                return
+            time.sleep(sleep_s)
+            sleep_s = min(2 * sleep_s, _FENCE_SLEEP_CAP_S)
+            now = time.monotonic()
+            if now < next_check:
+                continue
+            next_check = now + _LIVENESS_PERIOD_S
+            missing = [r for r in range(self.world_size) if int(self._ctrl_epochs[r]) < epoch]
+            dead = [r for r in missing if not _pid_alive(int(self._ctrl_pids[r]))]
+            if dead:
+                names = ", ".join(f"rank {r} (pid {int(self._ctrl_pids[r])})" for r in dead)
+                raise TransportError(
+                    f"rank {self.rank}: fence {epoch}: {names} died before reaching the fence"
+                )
+            if now - start > self.timeout_s:
+                raise TransportError(
+                    f"rank {self.rank}: fence {epoch} timed out after {self.timeout_s:g} s waiting "
+                    f"for rank(s) {', '.join(str(r) for r in missing)}"
+                )
+
+    def _close(self) -> None:
+        with contextlib.suppress(Exception):
+            atexit.unregister(self._atexit_hook)
+        self._peer_views.clear()
+        self._peer_arrays.clear()
+        self._ctrl = None
+        self._ctrl_epochs = self._ctrl_pids = None
+        with self._fds_lock:
+            fds, self._fds = self._fds, []
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._lock_fd = -1
+        try:
+            self._unlink_created()
+        except OSError as exc:
+            if exc.errno != errno.ENOENT:
+                logger.warning("could not remove shared-memory files: %s", exc)

@@ -1,0 +1,328 @@
+"""Tests of ``megatron_odc.transport.shm.ShmTransport`` on spawned CPU ranks (gloo, one host).
+
+Every check compares against an oracle computed independently: the bytes each owner wrote, or the sum of
+every source's accumulates regenerated from the sources' seeds. Many sub-checks share one spawned world
+because a spawn costs a few seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_odc.transport import ShmTransport, TransportError, build_transport
+from tests._dist import SHM_ROOT, RankFailureError, run_ranks
+
+STRIPE_SMALL_NBYTES = 4096
+SHARD_NUMEL = 16 * 1024 + 13  # 16 stripes of 4 KiB plus a partial one
+NUM_ACC_OPS = 200
+DEFAULT_STRIPE_SHARD_NUMEL = 3 * (1 << 18) + 7  # 3 stripes of 1 MiB plus a partial one
+NUM_ACC_OPS_DEFAULT_STRIPE = 30
+
+
+def _odc_files(shm_dir: str | os.PathLike[str]) -> list[str]:
+    return sorted(n for n in os.listdir(shm_dir) if n.startswith("megatron_odc-"))
+
+
+def _assert_no_files(shm_dir: str) -> None:
+    """Collective: once every rank got here, no transport file is left in ``shm_dir``."""
+    dist.barrier()
+    assert _odc_files(shm_dir) == []
+    dist.barrier()
+
+
+def _acc_ops(src_rank: int, world_size: int, numel: int, num_ops: int, seed: int):
+    """The accumulates of ``src_rank``: (peer, offset, integer-valued source tensor), reproducibly.
+
+    Sources are fp32, bf16 or fp16 slices of one random integer pool per dtype (all exact in fp32).
+    """
+    rng = random.Random(seed * 1000 + src_rank)
+    gen = torch.Generator().manual_seed(seed * 1000 + src_rank)
+    pool = torch.randint(-8, 9, (numel,), generator=gen, dtype=torch.float32)
+    pools = [pool, pool.to(torch.bfloat16), pool.flip(0).to(torch.float16)]
+    ops = []
+    for _ in range(num_ops):
+        for peer in range(world_size):
+            size = rng.randint(1, numel // 3)
+            offset = rng.randint(0, numel - size)
+            start = rng.randint(0, numel - size)
+            ops.append((peer, offset, rng.choice(pools)[start : start + size]))
+    return ops
+
+
+def _check_accumulate(t: ShmTransport, name: str, numel: int, num_ops: int, seed: int) -> None:
+    rank, world_size = t.rank, t.world_size
+    all_ops = [_acc_ops(src, world_size, numel, num_ops, seed) for src in range(world_size)]
+    for peer, offset, values in all_ops[rank]:
+        t.accumulate(name, peer, offset, values)
+    t.fence()
+    # Oracle: every source's operations replayed in float64 on this one process, for every owner.
+    expected = torch.zeros(world_size, numel, dtype=torch.float64)
+    for ops in all_ops:
+        for peer, offset, values in ops:
+            expected[peer, offset : offset + values.numel()] += values.to(torch.float64)
+    assert expected.abs().max() > 0
+    torch.testing.assert_close(t.local(name).to(torch.float64), expected[rank], rtol=0, atol=0)
+    # Every rank also reads every peer's result.
+    out = torch.empty(numel, dtype=torch.float32)
+    for peer in range(world_size):
+        t.get(name, peer, 0, out)
+        torch.testing.assert_close(out.to(torch.float64), expected[peer], rtol=0, atol=0)
+    t.fence()  # nobody reuses the buffer before every rank has read it
+
+
+def _owner_data(owner: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(7919 * owner + 17)
+    if dtype.is_floating_point:
+        return torch.randn(numel, generator=gen).to(dtype)
+    return torch.randint(-(2**30), 2**30, (numel,), generator=gen).to(dtype)
+
+
+def _check_get(t: ShmTransport) -> None:
+    rank, world_size = t.rank, t.world_size
+    numel = 1000
+    dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.int64)
+    for dtype in dtypes:
+        t.register(f"get_{dtype}", numel, dtype).copy_(_owner_data(rank, numel, dtype))
+    t.fence()
+    gen = torch.Generator().manual_seed(rank)
+    for dtype in dtypes:
+        for peer in range(world_size):
+            owner = _owner_data(peer, numel, dtype)
+            for _ in range(5):
+                size = int(torch.randint(0, numel + 1, (1,), generator=gen))
+                offset = int(torch.randint(0, numel - size + 1, (1,), generator=gen))
+                out = torch.full((size,), 3, dtype=dtype)
+                t.get(f"get_{dtype}", peer, offset, out)
+                assert torch.equal(
+                    out.view(torch.uint8), owner[offset : offset + size].view(torch.uint8)
+                )
+
+
+def _check_fence_orders_writes(t: ShmTransport) -> None:
+    shard = t.register("fence", 4096, torch.float32)
+    out = torch.empty(4096)
+    for round_ in range(6):
+        writer = round_ % t.world_size
+        value = float(100 * round_ + writer + 1)
+        if t.rank == writer:
+            shard.fill_(value)
+        t.fence()
+        t.get("fence", writer, 0, out)
+        assert torch.equal(out, torch.full_like(out, value)), (round_, out[:4])
+        t.fence()  # nobody overwrites before every rank has read
+
+
+def _check_errors(t: ShmTransport, shm_dir: str) -> None:
+    rank, world_size = t.rank, t.world_size
+    t.register("err_f32", 100, torch.float32)
+    t.register("err_bf16", 100, torch.bfloat16)
+    cases = [
+        (lambda: t.get("err_f32", 0, 90, torch.empty(20)), r"range \[90, 110\) is out of bounds"),
+        (lambda: t.get("err_f32", 0, -1, torch.empty(2)), r"range \[-1, 1\) is out of bounds"),
+        (lambda: t.accumulate("err_f32", 0, 0, torch.ones(101)), r"of 100 elements per rank"),
+        (
+            lambda: t.get("err_f32", 0, 0, torch.empty(2, dtype=torch.bfloat16)),
+            r"dtype torch.float32",
+        ),
+        (lambda: t.accumulate("err_bf16", 0, 0, torch.ones(2)), r"targets must be float32"),
+        (
+            lambda: t.accumulate("err_f32", 0, 0, torch.ones(2, dtype=torch.int32)),
+            r"sources must be",
+        ),
+        (lambda: t.get("nope", 0, 0, torch.empty(2)), r"buffer 'nope' is not registered"),
+        (lambda: t.get("err_f32", world_size, 0, torch.empty(2)), rf"peer {world_size} is outside"),
+        (lambda: t.accumulate("err_f32", -1, 0, torch.ones(2)), r"peer -1 is outside"),
+        (lambda: t.register("err_f32", 100, torch.float32), r"already registered"),
+    ]
+    for fn, pattern in cases:
+        with pytest.raises(ValueError, match=pattern):
+            fn()
+
+    # Mismatched registrations: the last rank differs in one field; every rank names it, nothing leaks.
+    last = world_size - 1
+    for field, name, numel, dtype in (
+        ("name", "mm_other" if rank == last else "mm", 64, torch.float32),
+        ("numel", "mm", 65 if rank == last else 64, torch.float32),
+        ("dtype", "mm", 64, torch.float16 if rank == last else torch.float32),
+    ):
+        with pytest.raises(ValueError, match=rf"rank {last} registered buffer .* with {field} "):
+            t.register(name, numel, dtype)
+        _assert_no_files(shm_dir)
+        assert "mm" not in t.buffer_names
+    # Still usable after a refused registration, and numel 0 works.
+    t.register("mm", 64, torch.float32)
+    assert t.register("empty", 0, torch.float32).numel() == 0
+    t.get("empty", (rank + 1) % world_size, 0, torch.empty(0))
+    t.accumulate("empty", (rank + 1) % world_size, 0, torch.empty(0))
+    t.fence()
+
+
+def _check_two_jobs_and_close(rank: int, world_size: int, shm_dir: str) -> None:
+    a = ShmTransport(lock_stripe_nbytes=STRIPE_SMALL_NBYTES)
+    b = build_transport("shm", None, lock_stripe_nbytes=STRIPE_SMALL_NBYTES)
+    assert a.run_id != b.run_id
+    a.register("same", 256, torch.float32).fill_(rank + 1)
+    b.register("same", 256, torch.float32).fill_(-(rank + 1))
+    a.fence()  # every owner has written its shard before anyone adds into it
+    b.fence()
+    peer = (rank + 1) % world_size
+    a.accumulate("same", peer, 0, torch.full((256,), 10.0))
+    b.accumulate("same", peer, 0, torch.full((256,), 20.0))
+    a.fence()
+    b.fence()
+    assert torch.equal(a.local("same"), torch.full((256,), rank + 1 + 10.0))
+    assert torch.equal(b.local("same"), torch.full((256,), -(rank + 1) + 20.0))
+    out = torch.empty(256)
+    b.get("same", peer, 0, out)
+    assert torch.equal(out, torch.full((256,), -(peer + 1) + 20.0))
+    _assert_no_files(shm_dir)
+    a.close()
+    a.close()  # idempotent
+    for fn in (
+        lambda: a.get("same", peer, 0, out),
+        lambda: a.accumulate("same", peer, 0, out),
+        lambda: a.fence(),
+        lambda: a.flush(),
+        lambda: a.local("same"),
+        lambda: a.register("x", 1, torch.float32),
+    ):
+        with pytest.raises(TransportError, match=r"ShmTransport is closed"):
+            fn()
+    b.get("same", peer, 0, out)  # closing one job leaves the other intact
+    b.fence()
+    b.close()
+
+
+def _run_main(rank: int, world_size: int, dead_pid: int) -> None:
+    shm_dir = os.environ["MEGATRON_ODC_SHM_DIR"]
+    stale = Path(shm_dir, f"megatron_odc-p{dead_pid}-deadbeef-b0-r3")
+    live = Path(shm_dir, f"megatron_odc-p{os.getpid()}-cafe-b0-r0")
+    if rank == 0:
+        stale.write_bytes(b"x" * 64)
+        live.write_bytes(b"y")
+    dist.barrier()
+    t = ShmTransport(lock_stripe_nbytes=STRIPE_SMALL_NBYTES)
+    assert (t.rank, t.world_size) == (rank, world_size)
+    if rank == 0:
+        assert not stale.exists()
+        assert live.exists()
+        live.unlink()
+    _assert_no_files(shm_dir)
+
+    t.register("acc", SHARD_NUMEL, torch.float32)
+    _assert_no_files(shm_dir)
+    _check_accumulate(t, "acc", SHARD_NUMEL, NUM_ACC_OPS, seed=1)
+    _check_get(t)
+    _check_fence_orders_writes(t)
+    _check_errors(t, shm_dir)
+    t.close()
+
+    # Default (1 MiB) stripes, fewer but larger operations.
+    with ShmTransport() as t:
+        t.register("acc", DEFAULT_STRIPE_SHARD_NUMEL, torch.float32)
+        _check_accumulate(t, "acc", DEFAULT_STRIPE_SHARD_NUMEL, NUM_ACC_OPS_DEFAULT_STRIPE, seed=2)
+    _check_two_jobs_and_close(rank, world_size, shm_dir)
+    _assert_no_files(shm_dir)
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_shm_transport(world_size: int) -> None:
+    run_ranks(_run_main, world_size, _dead_pid(), timeout_s=300)
+
+
+def _run_dead_peer(
+    rank: int, world_size: int, victim: int, timeout_s: float, bad_dir: str, verdict_dir: str
+) -> None:
+    shm_dir = os.environ["MEGATRON_ODC_SHM_DIR"]
+    # Construction refuses a missing shm_dir on every rank, naming it; bad options are refused.
+    with pytest.raises(ValueError, match=rf"shm_dir '{bad_dir}' does not exist"):
+        ShmTransport(shm_dir=bad_dir)
+    with pytest.raises(ValueError, match=r"invalid options \['stripe'\]"):
+        build_transport("shm", None, stripe=3)
+    with pytest.raises(ValueError, match=r"lock_stripe_nbytes must be an integer >= 4"):
+        ShmTransport(lock_stripe_nbytes=2)
+
+    # A rank that is alive but late: the others time out naming it.
+    late = ShmTransport(timeout_s=0.5)
+    if rank == victim:
+        time.sleep(1.5)
+    else:
+        start = time.monotonic()
+        # Under load a slow survivor may also be named; the victim always is.
+        with pytest.raises(
+            TransportError, match=rf"timed out after 0.5 s waiting for rank\(s\) (\d, )*{victim}$"
+        ):
+            late.fence()
+        assert 0.5 <= time.monotonic() - start < 5.0
+    dist.barrier()
+    late.close()
+
+    t = ShmTransport(timeout_s=timeout_s, lock_stripe_nbytes=STRIPE_SMALL_NBYTES)
+    t.register("acc", 4096, torch.float32)
+    t.fence()
+    if rank == victim:
+        t.accumulate("acc", 0, 0, torch.ones(4096))
+        os._exit(3)
+    start = time.monotonic()
+    with pytest.raises(TransportError, match=rf"rank {victim} \(pid \d+\) died") as info:
+        t.fence()
+    elapsed_s = time.monotonic() - start
+    assert elapsed_s < timeout_s
+    assert _odc_files(shm_dir) == []
+    t.close()
+    # The verdict goes to a file now: after a peer died, gloo can make this process slow to exit, and
+    # the harness may then kill it as hung before its return value is collected.
+    Path(verdict_dir, f"rank{rank}").write_text(f"{elapsed_s:.3f} {info.value}")
+
+
+def test_dead_peer_is_named_and_nothing_leaks(tmp_path: Path) -> None:
+    shm_dir = SHM_ROOT / f"megatron_odc_test_dead_{uuid.uuid4().hex[:8]}"
+    shm_dir.mkdir()
+    victim, timeout_s = 2, 10.0
+    try:
+        with pytest.raises(RankFailureError) as info:
+            run_ranks(
+                _run_dead_peer,
+                3,
+                victim,
+                timeout_s,
+                f"/nonexistent/{uuid.uuid4().hex}",
+                str(tmp_path),
+                timeout_s=180,
+                env={"MEGATRON_ODC_SHM_DIR": str(shm_dir)},
+            )
+        message = str(info.value)
+        assert f"rank {victim} died with exit code 3" in message
+        assert "raised" not in message, message
+        for rank in (0, 1):
+            elapsed_s, text = Path(tmp_path, f"rank{rank}").read_text().split(" ", 1)
+            assert float(elapsed_s) < timeout_s
+            assert f"rank {rank}: fence 2: rank {victim} (pid" in text
+        assert os.listdir(shm_dir) == []
+    finally:
+        shutil.rmtree(shm_dir, ignore_errors=True)
+
+
+def test_build_transport_names() -> None:
+    with pytest.raises(
+        ValueError, match=r"unknown transport 'gloo'; choose one of 'shm', 'collective'"
+    ):
+        build_transport("gloo", None)
+    with pytest.raises(ValueError, match=r"unknown transport None"):
+        build_transport(None, None)
