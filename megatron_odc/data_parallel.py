@@ -149,15 +149,19 @@ class OdcDataParallel(DistributedDataParallel):
 
         transport = build_transport(odc.odc_transport, self.dp_group, timeout_s=odc.odc_timeout_s)
         grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else config.params_dtype
-        self.engine = ODCEngine(
-            named,
-            transport,
-            self.dp_group,
-            bucket_numel=odc.odc_bucket_size,
-            alignment=odc.odc_alignment,
-            grad_dtype=grad_dtype,
-            check_params_equal=odc.odc_check_params_equal,
-        )
+        try:
+            self.engine = ODCEngine(
+                named,
+                transport,
+                self.dp_group,
+                bucket_numel=odc.odc_bucket_size,
+                alignment=odc.odc_alignment,
+                grad_dtype=grad_dtype,
+                check_params_equal=odc.odc_check_params_equal,
+            )
+        except BaseException:
+            transport.close()  # a refused model (e.g. weights differ across DP) leaks no files or fds
+            raise
         self.hooks = ODCHooks(
             self.engine,
             module,

@@ -12,7 +12,9 @@
   ``grad_ready(param)`` is called once per parameter per backward and pushes the unit's buckets to the owners
   once every parameter's gradient is in (parameters used several times, like tied embeddings, are complete
   when autograd accumulates them, once);
-- ``begin_minibatch()`` / ``finish_minibatch()`` hold the only two DP-wide fences of a minibatch.
+- ``finish_minibatch()`` (after the last push) and ``end_step()`` (after the optimizer wrote the new
+  shards and zeroed the accumulators) hold the only two DP-wide fences of a minibatch; ``begin_minibatch``
+  fences only when the previous minibatch did not end with ``end_step``.
 
 [Note: bucket lifecycle] Per bucket: SHARDED -> FETCHING -> UNSHARDED -> (backward) PUSHING -> UNSHARDED
 -> SHARDED. Any other transition raises ``RuntimeError`` naming the rank, bucket and a parameter.
@@ -118,7 +120,6 @@ class ODCEngine:
         self.telemetry = Telemetry()
         self._prefix = buffer_prefix
         self._closed = False
-        self._in_minibatch = False
 
         specs = [ParamSpec(name, tuple(p.shape), p.dtype, unit) for name, p, unit in named_params]
         self.layout: Layout = build_layout(
@@ -143,6 +144,8 @@ class ODCEngine:
         self._pending: dict[str, set[str]] = {unit: set() for unit in self.layout.units}
         self._ready: dict[str, set[str]] = {unit: set() for unit in self.layout.units}
         self.transport.fence()
+        # Accumulators are zero and every shard is visible: the next minibatch may start without a fence.
+        self._clean = True
 
     # ------------------------------------------------------------------ construction
 
@@ -403,7 +406,12 @@ class ODCEngine:
     # ------------------------------------------------------------------ minibatch protocol
 
     def begin_minibatch(self) -> None:
-        """Zero the owned accumulators, then fence: peers' params of the last step are visible."""
+        """Start a minibatch: accumulators must be zero and the last step's shards visible everywhere.
+
+        After ``end_step`` that already holds and nothing is communicated. Otherwise (no step since the
+        last minibatch, or an abandoned one) fence, zero the owned accumulators, fence again: the first
+        fence waits for peers' late pushes, the second for everyone's zeroing.
+        """
         self._check_open()
         for unit in self.layout.units:
             if self.unit_state(unit) is BucketState.PUSHING:
@@ -413,12 +421,18 @@ class ODCEngine:
                     "still holds unpushed gradients; a backward pass did not finish"
                 )
             self.release(unit)
+        self.telemetry.begin_minibatch()
+        if not self._clean:
+            with self.telemetry.timed("fence_s"):
+                self.transport.flush()
+                self.transport.fence()
+                self._zero_accumulators()
+                self.transport.fence()
+        self._clean = False
+
+    def _zero_accumulators(self) -> None:
         for bucket in self.layout.buckets:
             self.transport.local(self._grad_buffer(bucket.index)).zero_()
-        self.telemetry.begin_minibatch()
-        with self.telemetry.timed("fence_s"):
-            self.transport.fence()
-        self._in_minibatch = True
 
     def finish_minibatch(self) -> None:
         """Push what is left, flush, and fence: every owner now holds the full gradient sums."""
@@ -428,7 +442,21 @@ class ODCEngine:
             self.transport.flush()
             self.transport.fence()
         self.telemetry.end_minibatch()
-        self._in_minibatch = False
+
+    def end_step(self) -> None:
+        """After the optimizer step (or a skipped one): zero the accumulators, then fence.
+
+        Every rank calls it once per minibatch. Afterwards the new parameter shards are visible to every
+        rank (``full_parameters`` and state dicts read current values) and the next minibatch begins
+        without communicating.
+        """
+        self._check_open()
+        self._zero_accumulators()
+        with self.telemetry.timed("fence_s"):
+            self.transport.flush()
+            self.transport.fence()
+        self.telemetry.end_minibatch()
+        self._clean = True
 
     # ------------------------------------------------------------------ owned shards
 

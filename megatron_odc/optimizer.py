@@ -183,6 +183,8 @@ class OdcOptimizer(MegatronOptimizer):
             dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.grad_stats_parallel_group)
         found = bool(found_inf.item() > 0)
         self.grad_scaler.update(found)
+        if found:
+            self._end_step()  # the step is skipped, but the minibatch still ends with its fence
         return found
 
     @torch.no_grad()
@@ -222,7 +224,13 @@ class OdcOptimizer(MegatronOptimizer):
         """Inner optimizer step, then write the compute-dtype shards peers will fetch."""
         self.optimizer.step()
         self._copy_main_params_to_model_params()
+        self._end_step()
         return True
+
+    def _end_step(self) -> None:
+        """Zero the accumulators and fence: the new shards are visible before anyone fetches them."""
+        for engine in self.engines:
+            engine.end_step()
 
     @torch.no_grad()
     def step(self) -> tuple[bool, float | None, float | None]:
@@ -281,6 +289,7 @@ class OdcOptimizer(MegatronOptimizer):
             for main, value in zip(mains, saved):
                 main.copy_(value)
         self._copy_main_params_to_model_params()
+        self._end_step()  # collective: the loaded shards are visible to every rank
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
         """Not yet available: ODC checkpoints through megatron.core.dist_checkpointing are planned."""

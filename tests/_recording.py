@@ -12,12 +12,19 @@ class RecordingTransport(Transport):
 
     Whole-bucket helpers are inherited from the base class, so they show up as their one-sided gets and
     accumulates; a collective transport's overrides are therefore not what this checks.
+
+    ``inner`` may already hold registered buffers (e.g. the transport of a constructed
+    ``OdcDataParallel``, swapped for a wrapper before training): their specs and local shards are
+    mirrored, so ``local()``, ``get`` and ``accumulate`` work on them; their registration is not recorded.
     """
 
     def __init__(self, inner: Transport) -> None:
         super().__init__(inner.rank, inner.world_size)
         self.inner = inner
         self.calls: list[tuple] = []
+        for name in inner.buffer_names:
+            self._specs[name] = inner.spec(name)
+            self._local[name] = inner.local(name)
 
     def _register(self, spec: BufferSpec) -> torch.Tensor:
         self.calls.append(("register", spec.name, None, 0, spec.numel))
