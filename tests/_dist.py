@@ -83,6 +83,7 @@ def run_ranks(
     backend: str = "gloo",
     pg_timeout_s: float = 60.0,
     env: dict[str, str] | None = None,
+    grace_s: float = _GRACE_AFTER_FAILURE_S,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks; return their results.
 
@@ -94,6 +95,7 @@ def run_ranks(
         backend: torch.distributed backend.
         pg_timeout_s: the process group's own timeout for collectives.
         env: extra environment variables for the children.
+        grace_s: once a rank has failed, how long the others may take to fail or finish on their own.
 
     Raises:
         RankFailureError: a rank raised, exited without a result, or hung past ``timeout_s``.
@@ -134,7 +136,7 @@ def run_ranks(
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
-        return _collect(procs, result_paths, timeout_s)
+        return _collect(procs, result_paths, timeout_s, grace_s)
     finally:
         for p in procs:
             if p.is_alive():
@@ -153,7 +155,10 @@ def _read_result(path: str) -> tuple[str, Any] | None:
 
 
 def _collect(
-    procs: list[multiprocessing.Process], result_paths: list[str], timeout_s: float
+    procs: list[multiprocessing.Process],
+    result_paths: list[str],
+    timeout_s: float,
+    grace_s: float,
 ) -> list[Any]:
     deadline = time.monotonic() + timeout_s
     first_failure_at: float | None = None
@@ -169,9 +174,7 @@ def _collect(
         )
         if failed and first_failure_at is None:
             first_failure_at = now
-        if now > deadline or (
-            first_failure_at is not None and now - first_failure_at > _GRACE_AFTER_FAILURE_S
-        ):
+        if now > deadline or (first_failure_at is not None and now - first_failure_at > grace_s):
             break
         time.sleep(0.05)
 
@@ -179,10 +182,11 @@ def _collect(
     results: list[Any] = []
     for rank, (p, rp) in enumerate(zip(procs, result_paths)):
         if p.is_alive():
-            reason = (
-                "past the deadline" if first_failure_at is None else "after another rank failed"
-            )
-            problems.append(f"rank {rank} hung ({reason}; killed after {timeout_s:.0f} s budget)")
+            if first_failure_at is None:
+                reason = f"still running at the {timeout_s:.0f} s deadline"
+            else:
+                reason = f"still running {grace_s:.0f} s after another rank failed"
+            problems.append(f"rank {rank} hung ({reason}; killed)")
             results.append(None)
             continue
         outcome = _read_result(rp)
