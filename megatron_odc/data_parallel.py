@@ -4,7 +4,7 @@ It subclasses megatron-core's ``DistributedDataParallel`` (so ``unwrap_model``, 
 checks and checkpoint key names accept it) but runs ``_BaseDataParallel.__init__`` and overrides every
 public method of DDP: gradients leave through one-sided pushes after each unit's backward, so
 ``no_sync`` has nothing to defer, ``start_grad_sync`` nothing to start, and ``finish_grad_sync`` is the
-minibatch fence (plus the TP all-reduce of sequence-parallel parameters' owned gradient slices).
+minibatch fence (plus the TP all-reduce of TP-replicated parameters' owned gradient slices).
 ``zero_grad_buffer`` begins a minibatch: it zeroes the owned accumulators and fences, so the parameters
 written by the last step are visible. ``finalize_model_grads`` and the schedules of megatron-core work
 unchanged; a rank with zero microbatches calls ``finalize_model_grads`` directly.
@@ -169,12 +169,20 @@ class OdcDataParallel(DistributedDataParallel):
             ROOT_UNIT if has_root else None,
             prefetch=odc.odc_prefetch,
         )
-        self._sequence_parallel_names = [
+        # TP-replicated parameters: partial gradients (sequence parallel, q/k layernorm) are summed over
+        # TP; the others hold the same gradient on every TP rank up to the order in which peers' pushes
+        # were added, so they are averaged to keep the replicas bitwise identical.
+        self._tp_sum_names = {
             n
             for n, p, _ in named
             if (config.sequence_parallel and getattr(p, "sequence_parallel", False))
             or (config.qk_layernorm and ("q_layernorm" in n or "k_layernorm" in n))
-        ]
+        }
+        self._tp_avg_names = {
+            n
+            for n, p, _ in named
+            if n not in self._tp_sum_names and not getattr(p, "tensor_model_parallel", False)
+        }
         self._last_telemetry: dict | None = None
 
     # ------------------------------------------------------------------ grad sync contract
@@ -190,30 +198,39 @@ class OdcDataParallel(DistributedDataParallel):
     def finish_grad_sync(self, force_all_reduce: bool | None = False) -> None:
         """The minibatch fence: after it every owner holds the full gradient sums of its shards."""
         self.engine.finish_minibatch()
-        self._allreduce_sequence_parallel_grads()
+        self._allreduce_tp_replicated_grads()
 
-    def _allreduce_sequence_parallel_grads(self) -> None:
-        """Sum the owned gradient slices of TP-replicated parameters over the TP group."""
-        if not self._sequence_parallel_names or dist.get_world_size(self.tp_group) <= 1:
+    def _allreduce_tp_replicated_grads(self) -> None:
+        """Sum (partial grads) or average (replicated grads) owned gradient slices over the TP group.
+
+        Every TP rank of this DP rank owns the same slices (the layouts are identical across TP).
+        """
+        tp_size = dist.get_world_size(self.tp_group)
+        if tp_size <= 1:
             return
-        wanted = set(self._sequence_parallel_names)
+        for names, average in ((self._tp_sum_names, False), (self._tp_avg_names, True)):
+            slices = self._owned_grad_slices(names)
+            if not slices:
+                continue
+            flat = torch.cat(slices)
+            dist.all_reduce(flat, group=self.tp_group)  # gloo has no AVG: sum, then divide
+            if average:
+                flat.div_(tp_size)
+            offset = 0
+            for s in slices:
+                s.copy_(flat[offset : offset + s.numel()])
+                offset += s.numel()
+
+    def _owned_grad_slices(self, names: set[str]) -> list[torch.Tensor]:
         slices = []
         for bucket in self.engine.layout.buckets:
             shard = self.engine.grad_shard(bucket.index)
             shard_start, _ = bucket.shard_range(self.engine.dp_rank)
             for slot, start, end in bucket.owned_pieces(self.engine.dp_rank):
-                if slot.name in wanted:
+                if slot.name in names:
                     lo = slot.bucket_offset + start - shard_start
                     slices.append(shard[lo : lo + end - start])
-        if not slices:
-            # Every TP rank of this DP rank owns the same slices (identical layouts), so all skip.
-            return
-        flat = torch.cat(slices)
-        dist.all_reduce(flat, group=self.tp_group)
-        offset = 0
-        for s in slices:
-            s.copy_(flat[offset : offset + s.numel()])
-            offset += s.numel()
+        return slices
 
     def scale_gradients(self, scaling_factor: float) -> None:
         """Scale the owned fp32 accumulators (``finalize_model_grads`` passes 1/num_tokens)."""

@@ -113,6 +113,17 @@ def _run_parity(rank, world_size, tp, sp, counts, steps, oracle):
         ref_params = {n: p.detach().clone() for n, p in ref_model.module.named_parameters()}
         worst = max((_rel_err(odc_params[n], ref_params[n]), n) for n in ref_params)
         out["param_rel_err"] = worst
+        # TP-replicated parameters stay bitwise identical across TP ranks.
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        diverged = []
+        for n, p in odc_model.module.named_parameters():
+            if not getattr(p, "tensor_model_parallel", False):
+                mine = odc_params[n].reshape(-1)
+                others = [torch.empty_like(mine) for _ in range(tp)]
+                dist.all_gather(others, mine, group=tp_group)
+                if any(not torch.equal(o, mine) for o in others):
+                    diverged.append(n)
+        out["tp_replicas_diverged"] = diverged
         odc_model.close()
         return out
     finally:
@@ -143,6 +154,7 @@ def test_odc_matches_megatron_ddp(world_size, tp, sp, counts, oracle) -> None:
             )
             on, rn = res["odc_norm"][step], res["ref_norm"][step]
             assert abs(on - rn) <= 1e-5 * rn, f"rank {rank} step {step}: grad norm {on} vs {rn}"
+        assert not res["tp_replicas_diverged"], f"rank {rank}: {res['tp_replicas_diverged']}"
         err, name = res["param_rel_err"]
         assert err <= 1e-5, f"rank {rank}: parameter {name} differs by {err:.2e} (relative)"
     # Telemetry: per-rank microbatch counts as planned, bytes moved.
