@@ -42,6 +42,8 @@ warnings.filterwarnings(
     message=r"(Transformer Engine and Apex are|Apex is) not installed",
     category=UserWarning,
 )
+# TransformerConfig warns about its own default cuda_graph_scope on every construction.
+warnings.filterwarnings("ignore", message=r"full scope is deprecated", category=UserWarning)
 
 import argparse
 import dataclasses
