@@ -408,7 +408,7 @@ def _pretraining_batches(
     return batches
 
 
-def _per_token_loss(
+def per_token_loss(
     loss_mask: torch.Tensor, output_tensor: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Megatron's 3-tuple loss: (token-loss sum, loss-token count, report ``[sum, count]``)."""
@@ -426,7 +426,7 @@ def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.
     output = model(
         batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
     )
-    return output, functools.partial(_per_token_loss, batch["loss_mask"])
+    return output, functools.partial(per_token_loss, batch["loss_mask"])
 
 
 # Checkpoint state #

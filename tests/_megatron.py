@@ -38,6 +38,7 @@ from megatron_odc.patches.cpu import (
     apply_cpu_patches,
     cuda_type_names,
 )
+from megatron_odc.train import per_token_loss
 
 
 def init_megatron(tp: int, seed: int) -> CpuPatches:
@@ -157,26 +158,15 @@ def _lm_outputs(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch
     )
 
 
-def _per_token_loss(
-    loss_mask: torch.Tensor, output_tensor: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    losses = output_tensor.float().reshape(-1)
-    mask = loss_mask.reshape(-1).float()
-    loss_sum = (losses * mask).sum()
-    num_tokens = mask.sum().to(torch.int)
-    report = torch.stack([loss_sum.detach(), num_tokens.detach().float()])
-    return loss_sum, num_tokens, {"lm loss": report}
-
-
 def gpt_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
     """Forward ``batch``; return (sum of the masked token losses, number of loss tokens)."""
-    loss_sum, num_tokens, _ = _per_token_loss(batch["loss_mask"], _lm_outputs(model, batch))
+    loss_sum, num_tokens, _ = per_token_loss(batch["loss_mask"], _lm_outputs(model, batch))
     return loss_sum, int(num_tokens)
 
 
 def _forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
     batch = next(data_iterator)
-    return _lm_outputs(model, batch), functools.partial(_per_token_loss, batch["loss_mask"])
+    return _lm_outputs(model, batch), functools.partial(per_token_loss, batch["loss_mask"])
 
 
 def build_megatron_ddp(

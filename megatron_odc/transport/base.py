@@ -40,6 +40,22 @@ class BufferSpec:
     dtype: torch.dtype
 
 
+def check_same_registration(infos: list) -> None:
+    """Raise ``ValueError`` unless every rank's ``(name, numel, dtype, ...)`` registration matches rank 0's.
+
+    ``infos[r]`` is what rank ``r`` registered (gathered by the backend, e.g. ``all_gather_object``).
+    """
+    first = infos[0]
+    for rank, info in enumerate(infos):
+        for field, pos in (("name", 0), ("numel", 1), ("dtype", 2)):
+            if info[pos] != first[pos]:
+                raise ValueError(
+                    f"register: rank {rank} registered buffer {info[0]!r} with {field} "
+                    f"{info[pos]!r} but rank 0 registered {first[0]!r} with {field} {first[pos]!r}; "
+                    "every rank must register the same buffers in the same order"
+                )
+
+
 class Transport(abc.ABC):
     """One rank's endpoint of a one-sided transport over one data-parallel group.
 

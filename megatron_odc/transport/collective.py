@@ -21,6 +21,7 @@ from megatron_odc.transport.base import (
     BufferSpec,
     Transport,
     TransportError,
+    check_same_registration,
 )
 
 logger = logging.getLogger(__name__)
@@ -78,15 +79,7 @@ class CollectiveTransport(Transport):
     def _register(self, spec: BufferSpec) -> torch.Tensor:
         infos: list[object] = [None] * self.world_size
         dist.all_gather_object(infos, (spec.name, spec.numel, str(spec.dtype)), group=self._group)
-        first = infos[0]
-        for rank, info in enumerate(infos):
-            for field, pos in (("name", 0), ("numel", 1), ("dtype", 2)):
-                if info[pos] != first[pos]:
-                    raise ValueError(
-                        f"register: rank {rank} registered buffer {info[0]!r} with {field} "
-                        f"{info[pos]!r} but rank 0 registered {first[0]!r} with {field} {first[pos]!r}; "
-                        "every rank must register the same buffers in the same order"
-                    )
+        check_same_registration(infos)
         return torch.zeros(spec.numel, dtype=spec.dtype)
 
     def _check_self(self, spec: BufferSpec, peer: int, op: str) -> None:

@@ -35,7 +35,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_odc.transport.base import BufferSpec, Transport, TransportError
+from megatron_odc.transport.base import (
+    BufferSpec,
+    Transport,
+    TransportError,
+    check_same_registration,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -315,15 +320,7 @@ class ShmTransport(Transport):
         for info in infos:
             if info[4] is not None:
                 raise TransportError(f"register buffer {spec.name!r}: {info[4]}")
-        first = infos[0]
-        for rank, info in enumerate(infos):
-            for field, pos in (("name", 0), ("numel", 1), ("dtype", 2)):
-                if info[pos] != first[pos]:
-                    raise ValueError(
-                        f"register: rank {rank} registered buffer {info[0]!r} with {field} "
-                        f"{info[pos]!r} but rank 0 registered {first[0]!r} with {field} {first[pos]!r}; "
-                        "every rank must register the same buffers in the same order"
-                    )
+        check_same_registration(infos)
 
     def _stripe_numel(self, spec: BufferSpec) -> int:
         return max(1, self.lock_stripe_nbytes // spec.dtype.itemsize)
