@@ -28,6 +28,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.utils import unwrap_model
 
 from megatron_odc.engine import ODCEngine
 from megatron_odc.hooks import ODCHooks
@@ -184,6 +185,9 @@ class OdcDataParallel(DistributedDataParallel):
             if n not in self._tp_sum_names and not getattr(p, "tensor_model_parallel", False)
         }
         self._last_telemetry: dict | None = None
+        # Parameter names as the unwrapped model (inside Float16Module) calls them, by engine name.
+        inner_names = {id(p): n for n, p in unwrap_model(module).named_parameters()}
+        self._state_key = {n: inner_names.get(id(p), n) for n, p, _ in named}
 
     # ------------------------------------------------------------------ grad sync contract
 
@@ -270,9 +274,10 @@ class OdcDataParallel(DistributedDataParallel):
         full = self.engine.full_parameters()
         state = self.module.state_dict(prefix=prefix, keep_vars=False, destination=destination)
         for name, value in full.items():
-            key = prefix + name
-            if key in state:
-                state[key] = value
+            # Float16Module's state dict uses the inner model's names; the engine's carry "module.".
+            for key in (prefix + self._state_key[name], prefix + name):
+                if key in state:
+                    state[key] = value
         return state
 
     def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False):
@@ -282,16 +287,22 @@ class OdcDataParallel(DistributedDataParallel):
     def load_state_dict(self, state_dict, strict: bool = True):
         """Write this rank's owned slices of every parameter from full tensors (collective: fences)."""
         params = dict(self.engine.parameters())
-        missing = [n for n in params if n not in state_dict]
+        values = {}
+        for name in params:
+            for key in (self._state_key[name], name):  # the inner model's names, or the engine's
+                if key in state_dict:
+                    values[name] = state_dict[key]
+                    break
+        missing = [self._state_key[n] for n in params if n not in values]
         if strict and missing:
             raise ValueError(f"load_state_dict: missing parameters {missing[:5]}")
         for bucket in self.engine.layout.buckets:
             shard = self.engine.param_shard(bucket.index)
             shard_start, _ = bucket.shard_range(self.engine.dp_rank)
             for slot, start, end in bucket.owned_pieces(self.engine.dp_rank):
-                if slot.name not in state_dict:
+                if slot.name not in values:
                     continue
-                value = state_dict[slot.name]
+                value = values[slot.name]
                 if tuple(value.shape) != tuple(params[slot.name].shape):
                     raise ValueError(
                         f"load_state_dict: parameter {slot.name!r} has shape {tuple(value.shape)} in "

@@ -186,3 +186,44 @@ def _run_bad_pp(rank, world_size):
 def test_pipeline_parallelism_is_refused_at_construction() -> None:
     with pytest.raises(RankFailureError, match=r"does not support pipeline parallelism"):
         run_ranks(_run_bad_pp, 2, timeout_s=120)
+
+
+def _run_float16_state_dict(rank, world_size):
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_odc.model import GPTConfig, build_gpt_model
+    from tests._megatron import init_megatron, teardown_megatron
+
+    init_megatron(1, seed=5)
+    try:
+        cfg = GPTConfig(**CFG_KW, params_dtype=torch.bfloat16, bf16=True)
+        reference = build_gpt_model(cfg, seed=11)
+        expected = {
+            k: v.clone()
+            for k, v in reference.state_dict().items()
+            if not k.endswith("_extra_state")
+        }
+        gpt = build_gpt_model(cfg, seed=11)
+        model = Float16Module(gpt.config, gpt)
+        odc_model, _ = _build_odc(model, lr=1e-3, weight_decay=0.0, clip_grad=1.0)
+        got = odc_model.state_dict()
+        same_keys = sorted(k for k in got if not k.endswith("_extra_state")) == sorted(expected)
+        equal = all(torch.equal(got[k], expected[k]) for k in expected)
+        # Load shifted weights under the inner model's names, read them back.
+        shifted = {k: v + 1 for k, v in expected.items()}
+        odc_model.load_state_dict(shifted)
+        back = odc_model.state_dict()
+        loaded = all(torch.equal(back[k], shifted[k]) for k in shifted)
+        odc_model.close()
+        return same_keys, equal, loaded
+    finally:
+        teardown_megatron()
+
+
+def test_state_dict_round_trip_under_float16_module() -> None:
+    for rank, (same_keys, equal, loaded) in enumerate(
+        run_ranks(_run_float16_state_dict, 2, timeout_s=300)
+    ):
+        assert same_keys, f"rank {rank}: state_dict keys differ from the GPT model's"
+        assert equal, f"rank {rank}: state_dict values differ from the initial weights"
+        assert loaded, f"rank {rank}: load_state_dict then state_dict did not round-trip"
