@@ -24,6 +24,13 @@ Adam moments of every owned piece as boxes too, under DistOpt's fully-reshardabl
 ``optimizer.state.{param,exp_avg,exp_avg_sq}.<model key>``, so a different DP or TP size loads them; the
 step count, param-group hyper-parameters and the grad scaler go into the common state.
 
+Megatron-LM's own ``save_checkpoint`` / ``load_checkpoint`` (``--dp-backend odc`` in
+``pretrain_gpt.py``) use the same builders: :func:`install_megatron_lm_checkpointing` sets the
+unwrapped module's ``sharded_state_dict`` (:func:`odc_model_sharded_state_dict`) and the chunk's
+``load_state_dict`` (:func:`load_odc_model_state_dict`) as instance attributes, and ``OdcOptimizer``'s
+``sharded_state_dict`` / ``load_state_dict`` call :func:`odc_optimizer_sharded_state_dict` /
+:func:`load_odc_optimizer_state_dict`. The on-disk layout is the one :func:`save_checkpoint` writes.
+
 Atomicity: every rank writes into ``iter_x.tmp-<uuid>/``; after a barrier rank 0 renames it to
 ``iter_x/`` and then replaces the tracker file (write a temporary file, ``os.replace``). A crash at any
 point before the rename leaves the previous checkpoint and tracker untouched.
@@ -276,7 +283,7 @@ def _odc_owned_pieces(model: OdcDataParallel, gpt: torch.nn.Module) -> dict[str,
 
 
 @dataclasses.dataclass
-class _OdcModelState:
+class OdcModelState:
     """The ODC model's sharded state dict plus what load needs to write back."""
 
     sharded: dict[str, Any]
@@ -286,10 +293,27 @@ class _OdcModelState:
     fallback_entries: dict[str, Any]  # module key -> the module's own entry (e.g. a factory)
 
 
-def _odc_model_sharded_state_dict(
-    model: OdcDataParallel, gpt: torch.nn.Module, *, for_load: bool
-) -> _OdcModelState:
-    module_sd = gpt.sharded_state_dict()
+def odc_model_sharded_state_dict(
+    model: OdcDataParallel,
+    gpt: torch.nn.Module,
+    *,
+    for_load: bool,
+    metadata: dict | None = None,
+) -> OdcModelState:
+    """The sharded state dict of an ODC-wrapped model: owned-slice boxes (see the module docstring).
+
+    Keys, global shapes, TP offsets and replica ids come from the module's own class
+    ``sharded_state_dict`` (an instance override, :func:`install_megatron_lm_checkpointing`, is
+    bypassed). Collective when some parameter falls back to a gathered full tensor and ``for_load``
+    is false.
+
+    Args:
+        model: the ``OdcDataParallel`` chunk.
+        gpt: its unwrapped module (``unwrap_model(model)``).
+        for_load: fallback entries get empty tensors to load into instead of gathered values.
+        metadata: passed on to the module's ``sharded_state_dict`` (Megatron-LM's content metadata).
+    """
+    module_sd = type(gpt).sharded_state_dict(gpt, metadata=metadata)
     params = dict(gpt.named_parameters())
     owned = _odc_owned_pieces(model, gpt)
     sharded: dict[str, Any] = {}
@@ -333,7 +357,7 @@ def _odc_model_sharded_state_dict(
             fallback[key] = value
             sharded[key] = _replace_data(sharded[key], value)
     entries = {key: module_sd[key] for key in fallback_keys}
-    return _OdcModelState(sharded, templates, boxed, fallback, entries)
+    return OdcModelState(sharded, templates, boxed, fallback, entries)
 
 
 def _replace_data(entry: Any, data: torch.Tensor) -> Any:
@@ -345,7 +369,7 @@ def _replace_data(entry: Any, data: torch.Tensor) -> Any:
 
 
 def _odc_write_back(
-    model: OdcDataParallel, gpt: torch.nn.Module, state: _OdcModelState, loaded: dict
+    model: OdcDataParallel, gpt: torch.nn.Module, state: OdcModelState, loaded: dict
 ) -> None:
     """Copy loaded values into the owned shards (boxes are usually loaded in place already)."""
     for key in state.boxed:
@@ -377,7 +401,7 @@ def _odc_optimizer_sharded_state_dict(
     optimizer: OdcOptimizer,
     model: OdcDataParallel,
     gpt: torch.nn.Module,
-    model_state: _OdcModelState,
+    model_state: OdcModelState,
     *,
     for_load: bool,
     with_moments: bool,
@@ -430,10 +454,13 @@ def _odc_optimizer_sharded_state_dict(
         if with_moments:
             state = inner.state[piece]
             for sk in state_keys:
-                if sk not in state:
-                    assert for_load, (key, sk)
+                if sk in state:
+                    tensors[sk] = state[sk]
+                elif for_load:
                     state[sk] = torch.zeros_like(piece.data, memory_format=torch.preserve_format)
-                tensors[sk] = state[sk]
+                    tensors[sk] = state[sk]
+                else:  # no step taken yet: Adam's moments are zero
+                    tensors[sk] = torch.zeros_like(piece.data)
         template = templates.get(key)
         if template is None:
             assert key in model_state.fallback_entries, key
@@ -472,6 +499,25 @@ def _odc_optimizer_sharded_state_dict(
             param_state.setdefault(key, {})[sk] = dataclasses.replace(module_entry, **changes)
             write_back.append((key, sk, runs))
     return param_state, write_back
+
+
+def _odc_optimizer_write_back(
+    param_state: dict[str, dict[str, Any]],
+    write_back: list[tuple[str, str, list[tuple[torch.Tensor, int]]]],
+    loaded_state: dict[str, dict[str, Any]],
+) -> None:
+    """Copy loaded optimizer values into the main shards and moments (boxes usually load in place)."""
+    for key, entry in param_state.items():
+        for sk, boxes in entry.items():
+            if not isinstance(boxes, list):
+                continue  # a full-tensor entry: written back below
+            for box, value in zip(boxes, loaded_state[key][sk]):
+                if value.data_ptr() != box.data.data_ptr():
+                    box.data.copy_(value)
+    for key, sk, runs in write_back:
+        full = loaded_state[key][sk].reshape(-1)
+        for tensor, flat_start in runs:
+            tensor.copy_(full[flat_start : flat_start + tensor.numel()])
 
 
 def _odc_optimizer_common(optimizer: OdcOptimizer) -> dict[str, Any]:
@@ -530,6 +576,156 @@ def _odc_optimizer_load_common(optimizer: OdcOptimizer, common: dict[str, Any]) 
     if optimizer.grad_scaler is not None and scaler is not None:
         optimizer.grad_scaler.load_state_dict(scaler)
     return step
+
+
+# ---------------------------------------------------------------------------------------- Megatron-LM
+
+
+def _single_chunk(optimizer: OdcOptimizer) -> OdcDataParallel:
+    chunks = optimizer.model_chunks
+    if len(chunks) != 1:
+        raise ValueError(
+            f"ODC distributed checkpoints support one model chunk; the optimizer has {len(chunks)}"
+        )
+    return chunks[0]
+
+
+def odc_optimizer_sharded_state_dict(
+    optimizer: OdcOptimizer, *, is_loading: bool
+) -> dict[str, Any]:
+    """The optimizer part of a torch_dist checkpoint (``OdcOptimizer.sharded_state_dict``).
+
+    The layout :func:`save_checkpoint` writes under ``"optimizer"``: the common state (steps,
+    param-group hyper-parameters, grad scaler, ``param_state_sharding_type``) and ``param_state``
+    boxes under DistOpt's fully-reshardable keys. Unlike :func:`save_checkpoint`, Adam's moments are
+    always present (zeros before the first step), because Megatron-LM builds the loading state dict
+    without reading the checkpoint first. Collective when saving (step count, fallback gathers).
+
+    Args:
+        optimizer: the ``OdcOptimizer`` (one model chunk).
+        is_loading: build the state to load into (moments are created where missing) instead of the
+            state to save.
+    """
+    model = _single_chunk(optimizer)
+    gpt = unwrap_model(model)
+    model_state = odc_model_sharded_state_dict(model, gpt, for_load=True)  # keys and templates
+    param_state, _ = _odc_optimizer_sharded_state_dict(
+        optimizer, model, gpt, model_state, for_load=is_loading, with_moments=True
+    )
+    if is_loading:
+        return {"param_state": param_state}
+    return {**_odc_optimizer_common(optimizer), "param_state": param_state}
+
+
+def load_odc_optimizer_state_dict(optimizer: OdcOptimizer, state_dict: dict[str, Any]) -> None:
+    """Load what ``dist_checkpointing.load`` returned for :func:`odc_optimizer_sharded_state_dict`.
+
+    The main shards and moments are usually loaded in place already; the rest is copied, the step
+    count, hyper-parameters and grad scaler are restored, and the model shards are rewritten from the
+    fp32 main shards, then fenced (collective).
+
+    Raises:
+        ValueError: the checkpoint's optimizer state is not in the fully-reshardable format.
+    """
+    sharding_type = state_dict.get("param_state_sharding_type")
+    if sharding_type != OPTIMIZER_SHARDING_TYPE:
+        raise ValueError(
+            f"optimizer state format {sharding_type!r} cannot be loaded by the ODC optimizer; save it "
+            f"as {OPTIMIZER_SHARDING_TYPE!r} (--use-distributed-optimizer "
+            "--dist-ckpt-optim-fully-reshardable) or load weights only (--finetune or --no-load-optim)"
+        )
+    model = _single_chunk(optimizer)
+    gpt = unwrap_model(model)
+    model_state = odc_model_sharded_state_dict(model, gpt, for_load=True)
+    param_state, write_back = _odc_optimizer_sharded_state_dict(
+        optimizer, model, gpt, model_state, for_load=True, with_moments=True
+    )
+    _odc_optimizer_write_back(param_state, write_back, state_dict["param_state"])
+    step = _odc_optimizer_load_common(optimizer, state_dict)
+    if step == 0:  # saved before the first step: Adam starts from empty state, as it did there
+        for piece, *_ in optimizer._pieces:
+            optimizer.optimizer.state.pop(piece, None)
+    model.engine.release_all()  # no stale unsharded copies survive the load
+    optimizer._copy_main_params_to_model_params()
+    optimizer._end_step()  # collective: the loaded shards are visible to every rank
+
+
+def load_odc_model_state_dict(
+    model: OdcDataParallel, loaded: dict[str, Any], *, optimizer: OdcOptimizer | None = None
+) -> None:
+    """Load what ``dist_checkpointing.load`` returned for the ODC module's sharded state dict.
+
+    Boxes usually arrive in place; fallback tensors and ``_extra_state`` are written back. Then a
+    fence (collective), and ``optimizer``'s main shards are refreshed from the loaded weights (a
+    weights-only load; a later optimizer load overwrites them).
+
+    Raises:
+        ValueError: a parameter of the model is missing from ``loaded``.
+    """
+    gpt = unwrap_model(model)
+    model.engine.release_all()  # no stale unsharded copies survive the load
+    state = odc_model_sharded_state_dict(model, gpt, for_load=True)
+    missing = [k for k in sorted(state.boxed | set(state.fallback)) if k in state.sharded]
+    missing = [k for k in missing if k not in loaded]
+    if missing:
+        raise ValueError(
+            f"ODC model load: parameters {missing[:5]} are missing from the state dict"
+        )
+    _odc_write_back(model, gpt, state, loaded)
+    model.engine.transport.fence()
+    if optimizer is not None:
+        optimizer.reload_model_params()
+
+
+class _OdcModuleShardedStateDict:
+    """The unwrapped module's ``sharded_state_dict`` under ODC: :func:`odc_model_sharded_state_dict`."""
+
+    def __init__(self, model: OdcDataParallel) -> None:
+        self.model = model
+
+    def __call__(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict[str, Any]:
+        if prefix or sharded_offsets:
+            raise ValueError(
+                f"the ODC module's sharded_state_dict takes no prefix ({prefix!r}) or sharded "
+                f"offsets ({sharded_offsets!r}): pipeline and virtual pipeline stages are unsupported"
+            )
+        gpt = unwrap_model(self.model)
+        return odc_model_sharded_state_dict(
+            self.model, gpt, for_load=False, metadata=metadata
+        ).sharded
+
+
+class _OdcLoadStateDict:
+    """The ``OdcDataParallel`` chunk's ``load_state_dict`` for dist-checkpoint state dicts."""
+
+    def __init__(self, model: OdcDataParallel, optimizer: OdcOptimizer | None) -> None:
+        self.model = model
+        self.optimizer = optimizer
+
+    def __call__(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
+        load_odc_model_state_dict(self.model, state_dict, optimizer=self.optimizer)
+        return torch.nn.modules.module._IncompatibleKeys([], [])
+
+
+def install_megatron_lm_checkpointing(
+    model: OdcDataParallel, optimizer: OdcOptimizer | None = None
+) -> None:
+    """Route Megatron-LM's own torch_dist ``save_checkpoint`` / ``load_checkpoint`` through this module.
+
+    Megatron-LM saves ``unwrap_model(model).sharded_state_dict(metadata=...)`` and
+    ``optimizer.sharded_state_dict(...)``; it loads into the same and then calls
+    ``model.load_state_dict(loaded["model"])`` and ``optimizer.load_state_dict(loaded["optimizer"])``.
+    This sets two instance attributes: the unwrapped module's ``sharded_state_dict`` (owned-slice
+    boxes, :func:`odc_model_sharded_state_dict`) and the chunk's ``load_state_dict``
+    (:func:`load_odc_model_state_dict`, which also refreshes ``optimizer``'s main shards). Calling it
+    again (e.g. once the optimizer exists) replaces both.
+    """
+    if not isinstance(model, OdcDataParallel):
+        raise ValueError(f"expected an OdcDataParallel chunk, got {type(model).__name__}")
+    unwrap_model(model).sharded_state_dict = _OdcModuleShardedStateDict(model)
+    model.load_state_dict = _OdcLoadStateDict(model, optimizer)
 
 
 # ---------------------------------------------------------------------------------------- checks
@@ -623,7 +819,7 @@ def save_checkpoint(
     gpt = unwrap_model(model)
     state: dict[str, Any] = {"iteration": int(iteration), "checkpoint_version": _CHECKPOINT_VERSION}
     if isinstance(model, OdcDataParallel):
-        model_state = _odc_model_sharded_state_dict(model, gpt, for_load=False)
+        model_state = odc_model_sharded_state_dict(model, gpt, for_load=False)
         state["model"] = model_state.sharded
         if optimizer is not None:
             if not isinstance(optimizer, OdcOptimizer):
@@ -728,7 +924,7 @@ def load_checkpoint(
     odc_state = None
     if is_odc:
         model.engine.release_all()  # no stale unsharded copies survive the load
-        odc_state = _odc_model_sharded_state_dict(model, gpt, for_load=True)
+        odc_state = odc_model_sharded_state_dict(model, gpt, for_load=True)
         state["model"] = odc_state.sharded
     else:
         state["model"] = gpt.sharded_state_dict()
@@ -776,19 +972,9 @@ def load_checkpoint(
     if is_odc:
         _odc_write_back(model, gpt, odc_state, loaded["model"])
         if load_optimizer:
-            param_state = state["optimizer"]["param_state"]
-            loaded_state = loaded["optimizer"]["param_state"]
-            for key, entry in param_state.items():
-                for sk, boxes in entry.items():
-                    if not isinstance(boxes, list):
-                        continue  # a full-tensor entry: written back below
-                    for box, value in zip(boxes, loaded_state[key][sk]):
-                        if value.data_ptr() != box.data.data_ptr():
-                            box.data.copy_(value)
-            for key, sk, runs in write_back:
-                full = loaded_state[key][sk].reshape(-1)
-                for tensor, flat_start in runs:
-                    tensor.copy_(full[flat_start : flat_start + tensor.numel()])
+            _odc_optimizer_write_back(
+                state["optimizer"]["param_state"], write_back, loaded["optimizer"]["param_state"]
+            )
             # Model shards hold the saved compute-dtype values, main shards the fp32 ones.
             _odc_optimizer_load_common(optimizer, common["optimizer"])
         model.engine.transport.fence()

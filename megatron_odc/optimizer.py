@@ -281,7 +281,17 @@ class OdcOptimizer(MegatronOptimizer):
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load what ``state_dict()`` returned on the same DP layout."""
+        """Load what ``state_dict()`` returned on the same DP layout, or a dist-checkpoint load.
+
+        A dict with ``param_state`` is what ``dist_checkpointing.load`` returned for
+        :meth:`sharded_state_dict` (Megatron-LM's ``load_checkpoint``); it goes to
+        ``megatron_odc.checkpoint.load_odc_optimizer_state_dict``. Both forms are collective (fence).
+        """
+        if "param_state" in state_dict:
+            from megatron_odc.checkpoint import load_odc_optimizer_state_dict
+
+            load_odc_optimizer_state_dict(self, state_dict)
+            return
         self.optimizer.load_state_dict(state_dict["optimizer"])
         if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
@@ -292,8 +302,12 @@ class OdcOptimizer(MegatronOptimizer):
         self._end_step()  # collective: the loaded shards are visible to every rank
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
-        """Not yet available: ODC checkpoints through megatron.core.dist_checkpointing are planned."""
-        raise NotImplementedError(
-            "OdcOptimizer.sharded_state_dict: distributed checkpoints of the ODC optimizer are not "
-            "implemented yet; use state_dict() for same-layout saves"
-        )
+        """The optimizer's torch_dist state: owned-slice boxes under DistOpt's fully-reshardable keys.
+
+        Built by ``megatron_odc.checkpoint.odc_optimizer_sharded_state_dict`` from this optimizer's
+        model chunk (``model_sharded_state_dict`` and ``kwargs``, e.g. Megatron-LM's ``metadata``,
+        are not needed). Collective when saving.
+        """
+        from megatron_odc.checkpoint import odc_optimizer_sharded_state_dict
+
+        return odc_optimizer_sharded_state_dict(self, is_loading=is_loading)

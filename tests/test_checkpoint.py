@@ -7,7 +7,9 @@ other side of each interop direction. Three spawned worlds:
 - ``pretrained`` (2 ranks, module fixture): distopt TP=1 x DP=2 pretrains and saves; ODC DP=2 trains
   and saves, and a fresh ODC model (other seed) resumes from it: weights and optimizer state equal
   bit for bit, next losses equal; finetune loads weights only; a model of another hidden size fails
-  with a ValueError naming the tensor.
+  with a ValueError naming the tensor. The same world makes Megatron-LM's own torch_dist calls on the
+  ODC overrides (``install_megatron_lm_checkpointing``, ``OdcOptimizer.sharded_state_dict`` /
+  ``load_state_dict``): exact resume, a resume from distopt's checkpoint, a weights-only load.
 - ``killed`` (2 ranks, module fixture): rank 1 dies inside the save of iteration 2.
 - ``test_interop_and_resharding`` (4 ranks): distopt -> ODC TP=2 x DP=2 (finetune, and a resume with
   distopt's fully-reshardable optimizer state), ODC TP=2 -> megatron DDP TP=1 x DP=4 (finetune),
@@ -223,6 +225,64 @@ def _check_flat_range_boxes() -> list[str]:
     return problems
 
 
+def _mlm_metadata() -> dict:
+    """The content metadata Megatron-LM passes to both ``sharded_state_dict`` calls (no distopt)."""
+    from megatron.core import parallel_state
+
+    return {
+        "singleton_local_shards": False,
+        "chained_optim_avoid_prefix": True,
+        "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True),
+    }
+
+
+def _mlm_save(model, opt, directory: Path, iteration: int) -> None:
+    """What Megatron-LM's ``save_checkpoint`` does with torch_dist (``generate_state_dict``)."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core.utils import unwrap_model
+
+    from megatron_odc.patches.megatron_lm import OdcChainedOptimizer
+
+    if dist.get_rank() == 0:
+        directory.mkdir(parents=True)
+    dist.barrier()
+    metadata = _mlm_metadata()
+    state = {
+        "iteration": iteration,
+        "model": unwrap_model(model).sharded_state_dict(metadata=metadata),
+    }
+    state["optimizer"] = OdcChainedOptimizer([opt]).sharded_state_dict(state, metadata=metadata)
+    dist_checkpointing.save(state, str(directory))
+
+
+def _mlm_load(model, opt, directory: Path, *, load_optim: bool) -> int:
+    """What Megatron-LM's ``load_checkpoint`` does with torch_dist: model, then optimizer."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.utils import unwrap_model
+
+    from megatron_odc.patches.megatron_lm import OdcChainedOptimizer
+
+    metadata = _mlm_metadata()
+    chained = OdcChainedOptimizer([opt])
+    state = {"model": unwrap_model(model).sharded_state_dict(metadata=metadata)}
+    if load_optim:
+        state["optimizer"] = chained.sharded_state_dict(state, is_loading=True, metadata=metadata)
+    loaded = dist_checkpointing.load(state, str(directory))
+    model.load_state_dict(loaded["model"], strict=True)
+    if load_optim:
+        chained.load_state_dict(loaded["optimizer"])
+    return int(loaded["iteration"])
+
+
+def _mains_equal_model_shards(model, opt) -> bool:
+    engine = model.engine
+    return all(
+        torch.equal(main, engine.param_shard(bucket.index).float())
+        for bucket, main in zip(engine.layout.buckets, opt._main_shards[0])
+    )
+
+
 def _max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, str]:
     assert sorted(a) == sorted(b), (sorted(a), sorted(b))
     return max((float((a[n] - b[n]).abs().max()), n) for n in a)
@@ -234,7 +294,12 @@ def _max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tup
 def _run_pretrain_and_resume(rank, world_size, root: str):
     import torch.distributed as dist
 
-    from megatron_odc.checkpoint import latest_iteration, load_checkpoint, save_checkpoint
+    from megatron_odc.checkpoint import (
+        install_megatron_lm_checkpointing,
+        latest_iteration,
+        load_checkpoint,
+        save_checkpoint,
+    )
     from tests._megatron import init_megatron, teardown_megatron
 
     _allow_writer_processes()
@@ -266,6 +331,9 @@ def _run_pretrain_and_resume(rank, world_size, root: str):
             _step(model, opt, cfg, step)
         extra = {"rank": rank, "note": f"rank {rank}", "rng": torch.get_rng_state()}
         save_checkpoint(root_path / "odc_dp2", 2, model, opt, extra_state=extra)
+        # The same state through Megatron-LM's own path (the instance overrides).
+        install_megatron_lm_checkpointing(model, opt)
+        _mlm_save(model, opt, root_path / "mlm_odc_dp2", 2)
         saved = _full_params(model)
         saved_opt = _odc_optimizer_state(opt)
         checksums = _optimizer_checksums(model, opt)
@@ -302,6 +370,32 @@ def _run_pretrain_and_resume(rank, world_size, root: str):
         ft = load_checkpoint(root_path / "odc_dp2", model2, opt2, finetune=True)
         out["finetune"] = {"ret": ft, "diff": _max_abs_diff(_full_params(model2), saved)}
         model2.close()
+        model.close()
+
+        # Megatron-LM's path: resume the ODC checkpoint it wrote (a model of other weights)...
+        model, opt = _build("odc", cfg, seed=47)
+        install_megatron_lm_checkpointing(model, opt)
+        mlm: dict = {"iteration": _mlm_load(model, opt, root_path / "mlm_odc_dp2", load_optim=True)}
+        mlm["loaded_diff"] = _max_abs_diff(_full_params(model), saved)
+        mlm["optimizer_equal"] = _same_optimizer_state(_odc_optimizer_state(opt), saved_opt)
+        mlm["losses"] = [_step(model, opt, cfg, step) for step in range(2, 2 + RESUME_STEPS)]
+        mlm["final_diff"] = _max_abs_diff(_full_params(model), ref_final)
+        model.close()
+        # ...resume distopt's fully-reshardable checkpoint (stock megatron-core sharded state)...
+        model, opt = _build("odc", cfg, seed=53)
+        install_megatron_lm_checkpointing(model, opt)
+        distopt_dir = root_path / "distopt" / f"iter_{PRETRAIN_STEPS:07d}"
+        mlm["distopt_iteration"] = _mlm_load(model, opt, distopt_dir, load_optim=True)
+        mlm["distopt_diff"] = _max_abs_diff(_full_params(model), full)
+        mlm["distopt_loss"] = (_step(model, opt, cfg, PRETRAIN_STEPS), distopt_loss)
+        model.close()
+        # ...and load its weights only: the main shards follow the loaded weights.
+        model, opt = _build("odc", cfg, seed=59)
+        install_megatron_lm_checkpointing(model, opt)
+        _mlm_load(model, opt, distopt_dir, load_optim=False)
+        mlm["weights_only_diff"] = _max_abs_diff(_full_params(model), full)
+        mlm["weights_only_mains"] = _mains_equal_model_shards(model, opt)
+        out["mlm"] = mlm
         model.close()
 
         # A model of another hidden size must be refused, naming the tensor.
@@ -349,6 +443,27 @@ def test_odc_resume_is_exact(pretrained) -> None:
         ft = res["finetune"]
         assert ft["ret"] == (0, {})
         assert ft["diff"][0] == 0.0
+
+
+def test_megatron_lm_checkpointing_path(pretrained) -> None:
+    """Megatron-LM's own save / load calls on the ODC overrides: exact resume and interop."""
+    _, results = pretrained
+    for rank, res in enumerate(results):
+        odc, mlm = res["odc"], res["mlm"]
+        assert mlm["iteration"] == 2
+        assert mlm["loaded_diff"][0] == 0.0, (
+            f"rank {rank}: loaded weights differ {mlm['loaded_diff']}"
+        )
+        assert mlm["optimizer_equal"], f"rank {rank}: loaded optimizer state differs"
+        for step, (got, want) in enumerate(zip(mlm["losses"], odc["ref_losses"])):
+            assert abs(got - want) <= 1e-6 * abs(want), f"rank {rank} step {step}: {got} vs {want}"
+        assert mlm["final_diff"][0] <= 1e-6, f"rank {rank}: final params differ {mlm['final_diff']}"
+        assert mlm["distopt_iteration"] == PRETRAIN_STEPS
+        assert mlm["distopt_diff"][0] == 0.0, f"rank {rank}: {mlm['distopt_diff']}"
+        got, want = mlm["distopt_loss"]
+        assert abs(got - want) <= 1e-6 * abs(want), f"rank {rank}: {got} vs distopt's {want}"
+        assert mlm["weights_only_diff"][0] == 0.0, f"rank {rank}: {mlm['weights_only_diff']}"
+        assert mlm["weights_only_mains"], f"rank {rank}: main shards not refreshed from the weights"
 
 
 def test_incompatible_checkpoint_names_the_tensor(pretrained) -> None:

@@ -7,10 +7,11 @@ tmp dir and put on ``sys.path`` inside spawned ranks; megatron-core is the real 
 flag, ``get_model`` building ``OdcDataParallel`` and restoring ``DDP``, the optimizer factory, the
 planned-count schedule (uneven and zero counts give the same step as another split of the same samples),
 the TP broadcast of the count, the balanced loader through the patched factory, version refusal, and
-``revert``. The symbols that live in megatron-core are checked against the installed package here.
+``revert``, and the checkpoint overrides the factories install. The symbols that live in megatron-core are checked against the installed package here.
 
 The end-to-end run of the real ``pretrain_gpt.py`` needs ``MEGATRON_LM_PATH`` (skipped otherwise): ODC
-with LB-Mini and megatron-core DDP must print the same losses (dropout off, same seed).
+with LB-Mini and megatron-core DDP must print the same losses (dropout off, same seed), and ODC's
+``--save`` / ``--load`` resume must print the uninterrupted run's losses.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ _FAKE_FILES = {
             parser.add_argument('--dataloader-type', type=str, default=None)
             parser.add_argument('--save', type=str, default=None)
             parser.add_argument('--load', type=str, default=None)
+            parser.add_argument('--ckpt-format', type=str, default='torch_dist')
             if extra_args_provider is not None:
                 parser = extra_args_provider(parser)
             if ignore_unknown_args:
@@ -210,7 +212,8 @@ def _check_flags(arguments, initialize) -> dict:
         ["--use-torch-fsdp2"],
         ["--use-distributed-optimizer"],
         ["--overlap-grad-reduce"],
-        ["--save", "/tmp/ckpt"],
+        ["--save", "/tmp/ckpt", "--ckpt-format", "torch"],
+        ["--load", "/tmp/ckpt", "--ckpt-format", "torch_dcp"],
     ):
         sys.argv = [*BASE_ARGV, "--dp-backend", "odc", *extra_argv]
         refusals[extra_argv[0]] = _error_of(lambda: arguments.parse_args())
@@ -226,6 +229,8 @@ def _check_flags(arguments, initialize) -> dict:
     refusals["mbs"] = _error_of(lambda: arguments.parse_args())
     sys.argv = [*BASE_ARGV, "--dp-backend", "fsdp", "--balance", "lb_mini"]
     refusals["fsdp"] = _error_of(lambda: arguments.parse_args())
+    sys.argv = [*BASE_ARGV, "--dp-backend", "odc", "--save", "/tmp/c", "--load", "/tmp/c"]
+    refusals["torch_dist_accepted"] = _error_of(lambda: arguments.parse_args())
     mbs2 = _parse(initialize, [*BASE_ARGV, "--dp-backend", "odc", "--micro-batch-size", "2"])
     fsdp = _parse(initialize, [*BASE_ARGV, "--dp-backend", "fsdp"])
     return {
@@ -260,12 +265,18 @@ def _step(training, cfg, counts, batches, rank: int):
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.rerun_state_machine import RerunDataIterator
+    from megatron.core.utils import unwrap_model
 
     from tests._megatron import _forward_step
 
     model = _build(training, cfg, seed=11)
+    gpt = unwrap_model(model[0])
+    installed = [type(gpt.sharded_state_dict).__name__, model[0].load_state_dict.optimizer]
     opt_config = OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=1.0, weight_decay=0.0)
     optimizer = training.get_megatron_optimizer(opt_config, model)
+    # Megatron-LM's checkpointing calls land on the ODC overrides, with this optimizer.
+    installed.append(model[0].load_state_dict.optimizer is optimizer.chained_optimizers[0])
+    installed.append("param_state" in optimizer.sharded_state_dict({}, metadata={}))
     model[0].config.finalize_model_grads_func = finalize_model_grads
     before = _full_params(model[0])
     fb = training.get_forward_backward_func()
@@ -296,6 +307,7 @@ def _step(training, cfg, counts, batches, rank: int):
         "grad_norm": float(grad_norm),
         "success": success,
         "schedule_type": type(fb).__name__,
+        "checkpoint_overrides": installed,
     }
     model[0].close()
     return out
@@ -476,7 +488,14 @@ def test_flags_are_composed_and_postprocessed(fake_results) -> None:
     assert flags["distopt_sets_flag"] is True
     assert flags["mbs2_balance"] == "none"  # the default falls back to Megatron-LM's sampler
     assert flags["fsdp"] == ("collective", "lb_micro", True)
-    for flag, message in flags["refusals"].items():
+    refusals = dict(flags["refusals"])
+    # --save / --load are accepted with torch_dist (Megatron-LM's checkpointing through the ODC
+    # overrides) and refused, naming the format, with any other --ckpt-format.
+    assert refusals.pop("torch_dist_accepted") == ""
+    for flag in ("--save", "--load"):
+        assert flag in refusals[flag], refusals
+        assert "--ckpt-format torch_dist" in refusals[flag], refusals
+    for flag, message in refusals.items():
         expected = {"mbs": "--micro-batch-size", "fsdp": "--balance lb_mini"}.get(flag, flag)
         assert expected in message, (flag, message)
 
@@ -496,6 +515,9 @@ def test_optimizer_factory_returns_chained_odc_optimizer(fake_results) -> None:
     assert ChainedOptimizer in mro
     assert inner == "OdcOptimizer"
     assert fake_results[0]["a"]["num_chained"] == 1
+    for res in fake_results:
+        # get_model installs the module's override; the optimizer factory binds the optimizer.
+        assert res["a"]["checkpoint_overrides"] == ["_OdcModuleShardedStateDict", None, True, True]
 
 
 def test_planned_counts_including_zero_give_the_same_step(fake_results) -> None:
@@ -601,16 +623,18 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _pretrain_gpt_losses(backend: str, tmp_path: Path) -> dict[int, float]:
+def _pretrain_gpt_losses(
+    backend: str, tmp_path: Path, *extra: str, iterations: range = range(1, 7)
+) -> dict[int, float]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     cmd += ["--master-port", str(_free_port()), "-m", "megatron_odc.launch", "pretrain_gpt.py"]
-    cmd += [*E2E_ARGS, "--dp-backend", backend]
+    cmd += [*E2E_ARGS, "--dp-backend", backend, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     losses = {int(i): float(v) for i, v in _LOSS_RE.findall(log)}
-    assert sorted(losses) == list(range(1, 7)), log[-4000:]
+    assert sorted(losses) == list(iterations), log[-4000:]
     return losses
 
 
@@ -622,3 +646,28 @@ def test_pretrain_gpt_end_to_end_odc_equals_ddp(tmp_path) -> None:
     for it, loss in ddp.items():
         assert odc[it] == pytest.approx(loss, rel=1e-5), (it, odc, ddp)
     assert ddp[1] != ddp[6]  # training moved
+
+
+@pytest.mark.skipif(not os.environ.get("MEGATRON_LM_PATH"), reason="needs MEGATRON_LM_PATH")
+@pytest.mark.timeout(600)
+def test_pretrain_gpt_save_and_resume_odc(tmp_path) -> None:
+    """Megatron-LM's own --save at iteration 3 and --load resume to 6 equal the uninterrupted run."""
+    ckpt = str(tmp_path / "ckpt")
+    full = _pretrain_gpt_losses("odc", tmp_path)
+    _pretrain_gpt_losses(
+        "odc",
+        tmp_path,
+        "--save",
+        ckpt,
+        "--save-interval",
+        "3",
+        "--exit-interval",
+        "3",
+        iterations=range(1, 4),
+    )
+    resumed = _pretrain_gpt_losses("odc", tmp_path, "--load", ckpt, iterations=range(4, 7))
+    assert resumed[4] == pytest.approx(full[4], rel=1e-6), (resumed, full)
+    # Megatron-LM does not reset its loss average after a run's first logged iteration, so the
+    # second one prints the mean of both (the uninterrupted run's iteration 2 does the same).
+    assert resumed[5] == pytest.approx((full[4] + full[5]) / 2, rel=1e-6), (resumed, full)
+    assert resumed[6] == pytest.approx(full[6], rel=1e-6), (resumed, full)

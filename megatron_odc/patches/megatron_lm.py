@@ -27,8 +27,11 @@ Megatron-LM's samples are fixed ``[seq_length]`` packs, so every sample costs th
 gives every DP rank the same count; the plan is still made per global batch by
 :class:`~megatron_odc.data.sampler.LengthBalancedSampler` and its count drives the schedule.
 
-Megatron-LM's checkpointing (``--save`` / ``--load``) is refused for the ODC backends (the ODC
-optimizer has no ``sharded_state_dict`` yet); ``megatron_odc.train`` owns ODC checkpoints.
+Megatron-LM's own checkpointing (``--save`` / ``--load``, ``--ckpt-format torch_dist`` only) works
+through :func:`megatron_odc.checkpoint.install_megatron_lm_checkpointing`, which the ``get_model`` and
+optimizer wrappers call on every ODC chunk: the unwrapped module's ``sharded_state_dict`` yields this
+DP rank's owned slices and the chunk's ``load_state_dict`` writes them back; ``OdcOptimizer`` has
+its own ``sharded_state_dict`` / ``load_state_dict`` (DistOpt's fully-reshardable keys).
 
 On a machine without CUDA, ``cpu=True`` also applies :func:`megatron_odc.patches.cpu.apply_cpu_patches`
 and the Megatron-LM-only shims of docs/megatron.md section 4 item 9.
@@ -174,12 +177,13 @@ def postprocess_odc_args(args: argparse.Namespace) -> argparse.Namespace:
         value = getattr(args, attr, None)
         if (value > 1) if attr == "pipeline_model_parallel_size" else bool(value):
             raise ValueError(f"--dp-backend {backend} does not combine with {flag}")
-    for attr in ("save", "load"):
-        if getattr(args, attr, None):
+    ckpt_format = getattr(args, "ckpt_format", "torch_dist")
+    for attr in ("save", "load", "pretrained_checkpoint"):
+        if getattr(args, attr, None) and ckpt_format != "torch_dist":
+            flag = "--" + attr.replace("_", "-")
             raise ValueError(
-                f"--{attr} with --dp-backend {backend} is not supported in the Megatron-LM path yet "
-                "(Megatron-LM's checkpointing calls OdcOptimizer.sharded_state_dict, which is not "
-                "implemented); use python -m megatron_odc.train for ODC checkpoints"
+                f"{flag} with --dp-backend {backend} needs --ckpt-format torch_dist "
+                f"(got {ckpt_format}): ODC saves each DP rank's owned slices"
             )
     if backend == "fsdp":
         if args.odc_transport not in (None, "collective"):
@@ -324,6 +328,10 @@ def _wrap_get_model(original: Callable, training: Any) -> Callable:
         finally:
             training.DDP = saved
         wrapped = [c for c in model if isinstance(c, OdcDataParallel)]
+        from megatron_odc.checkpoint import install_megatron_lm_checkpointing
+
+        for chunk in wrapped:
+            install_megatron_lm_checkpointing(chunk)
         if wrapped:
             logger.info(
                 "--dp-backend %s: %d model chunk(s) wrapped in OdcDataParallel (transport %s)",
@@ -362,6 +370,10 @@ def _wrap_get_megatron_optimizer(original: Callable) -> Callable:
         if not all(is_odc):
             raise ValueError("some model chunks are OdcDataParallel and some are not")
         optimizer = OdcOptimizer(config, list(model_chunks), config_overrides)
+        from megatron_odc.checkpoint import install_megatron_lm_checkpointing
+
+        for chunk in model_chunks:  # a weights-only load refreshes this optimizer's main shards
+            install_megatron_lm_checkpointing(chunk, optimizer)
         logger.info("optimizer: ChainedOptimizer([OdcOptimizer(%s)])", config.optimizer)
         return OdcChainedOptimizer([optimizer])
 
