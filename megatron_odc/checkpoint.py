@@ -445,7 +445,7 @@ def _odc_optimizer_sharded_state_dict(
             )
     param_state: dict[str, dict[str, Any]] = {}
     gathered: dict[str, dict[str, list[tuple[torch.Tensor, int]]]] = {}
-    for piece, piece_engine, bucket_index, lo, _hi in optimizer._pieces:
+    for piece, piece_engine, bucket_index, lo, _hi in optimizer.owned_pieces:
         if piece_engine is not engine:
             continue
         key = names[piece.odc_name]
@@ -568,7 +568,7 @@ def _odc_optimizer_load_common(optimizer: OdcOptimizer, common: dict[str, Any]) 
             len(groups),
             len(inner.param_groups),
         )
-    for piece, *_ in optimizer._pieces:
+    for piece, *_ in optimizer.owned_pieces:
         state = inner.state[piece]
         if step > 0 and "exp_avg" in state:
             state["step"] = torch.tensor(float(step), dtype=torch.float32)
@@ -643,7 +643,7 @@ def load_odc_optimizer_state_dict(optimizer: OdcOptimizer, state_dict: dict[str,
     _odc_optimizer_write_back(param_state, write_back, state_dict["param_state"])
     step = _odc_optimizer_load_common(optimizer, state_dict)
     if step == 0:  # saved before the first step: Adam starts from empty state, as it did there
-        for piece, *_ in optimizer._pieces:
+        for piece, *_ in optimizer.owned_pieces:
             optimizer.optimizer.state.pop(piece, None)
     model.engine.release_all()  # no stale unsharded copies survive the load
     optimizer._copy_main_params_to_model_params()

@@ -153,6 +153,11 @@ class OdcOptimizer(MegatronOptimizer):
             self.grad_scaler = None
         self._scale_one = torch.ones(1, dtype=torch.float32)
 
+    @property
+    def owned_pieces(self) -> list[tuple[torch.nn.Parameter, ODCEngine, int, int, int]]:
+        """``(optimizer tensor, engine, bucket index, lo, hi)`` per owned piece; ``[lo, hi)`` in the shard."""
+        return self._pieces
+
     # ------------------------------------------------------------------ Megatron surface
 
     def get_loss_scale(self) -> torch.Tensor:
