@@ -31,6 +31,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import unwrap_model
 
 from megatron_odc.engine import ODCEngine
+from megatron_odc.fp8 import check_fp8_recipe
 from megatron_odc.hooks import ODCHooks
 from megatron_odc.telemetry import format_line, reduce_across
 from megatron_odc.transport import build_transport
@@ -65,6 +66,12 @@ class OdcConfig(DistributedDataParallelConfig):
 
 
 def _validate(config: TransformerConfig, ddp_config: DistributedDataParallelConfig) -> None:
+    check_fp8_recipe(config)  # delayed scaling's per-microbatch DP amax reduction would deadlock
+    if getattr(config, "fp8_param", False) or getattr(ddp_config, "fp8_param_gather", False):
+        raise ValueError(
+            "--fp8-param-gather (FP8 parameters) is not supported by --dp-backend odc yet: ODC fetches "
+            "the compute-dtype shard; FP8 compute on bf16 parameters (--fp8-format) works"
+        )
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         raise ValueError(
             "--dp-backend odc does not support pipeline parallelism "

@@ -251,3 +251,18 @@ def test_fp8_param_gather_needs_fp8() -> None:
         check_te_request(fp8_param=True)
     with pytest.raises(ValueError, match="3 params, 2 main shards"):
         fp8.te_quantize_param_shard([1, 2, 3], [1, 2], [0, 0, 0], None)
+
+
+def test_odc_wrapper_refuses_fp8_settings_that_would_deadlock_or_are_unsupported() -> None:
+    from types import SimpleNamespace
+
+    from megatron_odc.data_parallel import OdcConfig, _validate
+
+    delayed = SimpleNamespace(fp8="hybrid", fp8_recipe="delayed", tp_only_amax_red=False)
+    with pytest.raises(ValueError, match="tp-only-amax-red"):
+        _validate(delayed, OdcConfig())
+    fp8_params = SimpleNamespace(
+        fp8="hybrid", fp8_recipe="delayed", tp_only_amax_red=True, fp8_param=True
+    )
+    with pytest.raises(ValueError, match="--fp8-param-gather"):
+        _validate(fp8_params, OdcConfig())
