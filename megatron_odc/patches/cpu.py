@@ -30,16 +30,7 @@ What each patch is for (shim numbers as in ``docs/megatron.md`` section 4):
    forward_backward_no_pipelining`` (``total_num_tokens``), ``MixedPrecisionOptimizer`` /
    ``FP32Optimizer`` (``found_inf``, ``_scale``), the grad scalers, ``optimizer.clip_grads``,
    ``utils.local_multi_tensor_l2_norm``, ``transformer.utils.get_default_causal_mask`` and
-   ``param_and_grad_buffer``'s warm-up tensor. See Verified by removing one patch at a time from a TP=2 + SP + distributed-optimizer train step: without
-1, the ``get_rng_state`` patches, ``_get_cuda_rng_state``, 3 or 7 it fails ("Torch not compiled with
-CUDA enabled" / the SP assert). The others are not reached by that step but are kept on purpose:
-``torch.cuda.manual_seed`` makes ``model_parallel_cuda_manual_seed(seed)`` seed the generator CPU code
-draws from; ``torch.cuda.set_rng_state`` and ``_set_cuda_rng_state`` otherwise queue a lazy call that
-silently never runs on a CPU build (so ``fork()`` would not switch streams and RNG restores would be
-no-ops); 4 and 5 are reached by ``broadcast_data``, Megatron-LM's ``model.cuda()``, checkpointing and
-buffer offload, where the originals raise.
-
-[Note: device-remap mode is per thread].
+   ``param_and_grad_buffer``'s warm-up tensor. See [Note: device-remap mode is per thread].
 4. ``torch.Tensor.cuda`` / ``torch.nn.Module.cuda`` -> identity (return ``self``): ``tensor_parallel.
    data.broadcast_data``, ``DistributedOptimizer`` state gathering, optimizer state reloads.
 5. ``torch.cuda.synchronize`` / ``empty_cache`` -> no-ops: ``parallel_state`` (timeouts), DDP grad-buffer
