@@ -237,20 +237,14 @@ def _exchanges(
 
 def _exchange(costs, tokens, work, loads, toks, h, p, xs, ys) -> None:
     """Moves items xs from part h to part p and items ys from p to h."""
-    for x in xs:
-        work[h].remove(x)
-        work[p].append(x)
-        loads[h] -= costs[x]
-        loads[p] += costs[x]
-        toks[h] -= tokens[x]
-        toks[p] += tokens[x]
-    for y in ys:
-        work[p].remove(y)
-        work[h].append(y)
-        loads[p] -= costs[y]
-        loads[h] += costs[y]
-        toks[p] -= tokens[y]
-        toks[h] += tokens[y]
+    for items, src, dst in ((xs, h, p), (ys, p, h)):
+        for item in items:
+            work[src].remove(item)
+            work[dst].append(item)
+            loads[src] -= costs[item]
+            loads[dst] += costs[item]
+            toks[src] -= tokens[item]
+            toks[dst] += tokens[item]
 
 
 def _best_exchange(costs, tok, work, loads, toks, h, eps, equal_count, cap_tokens, *, pairs):
