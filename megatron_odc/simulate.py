@@ -38,13 +38,16 @@ import dataclasses
 import json
 import math
 import operator
-import random
 import sys
 from collections.abc import Sequence
 
 from megatron_odc.balance import CostModel, Plan, make_plan
 from megatron_odc.balance.__main__ import MODEL_PRESETS, reference_lb_micro
-from megatron_odc.balance.profiles import load_lengths_file, load_profile_lengths
+from megatron_odc.balance.profiles import (
+    load_lengths_file,
+    load_profile_lengths,
+    minibatch_sample_ids,
+)
 
 __all__ = [
     "PAPER_TABLE5",
@@ -391,17 +394,8 @@ def draw_minibatches(
     pool: Sequence[int], global_batch: int, num_minibatches: int, seed: int
 ) -> list[list[int]]:
     """Consecutive minibatches of ``random.Random(seed).shuffle``-d lengths, as the balance tool draws them."""
-    if global_batch * num_minibatches > len(pool):
-        raise ValueError(
-            f"--num-minibatches {num_minibatches} x global minibatch {global_batch} needs "
-            f"{global_batch * num_minibatches} samples, the pool has {len(pool)}"
-        )
-    order = list(range(len(pool)))
-    random.Random(seed).shuffle(order)
-    return [
-        [pool[i] for i in order[k * global_batch : (k + 1) * global_batch]]
-        for k in range(num_minibatches)
-    ]
+    ids = minibatch_sample_ids(len(pool), global_batch, num_minibatches, seed)
+    return [[pool[i] for i in batch] for batch in ids]
 
 
 def simulate(

@@ -14,14 +14,17 @@ import argparse
 import dataclasses
 import json
 import math
-import random
 import sys
 from collections.abc import Sequence
 
 from megatron_odc.balance.cost import CostModel
 from megatron_odc.balance.partition import karmarkar_karp, part_costs
 from megatron_odc.balance.plan import PLAN_KINDS, TOO_LONG_POLICIES, Plan, make_plan
-from megatron_odc.balance.profiles import load_lengths_file, load_profile_lengths
+from megatron_odc.balance.profiles import (
+    load_lengths_file,
+    load_profile_lengths,
+    minibatch_sample_ids,
+)
 
 __all__ = ["MODEL_PRESETS", "build_parser", "main", "reference_lb_micro", "simulate"]
 
@@ -200,16 +203,9 @@ def simulate(
             f"{num_minibatches}"
         )
     global_batch = dp_size * minibatch
-    if global_batch * num_minibatches > len(lengths):
-        raise ValueError(
-            f"--num-minibatches {num_minibatches} x global minibatch {global_batch} needs "
-            f"{global_batch * num_minibatches} samples, the pool has {len(lengths)}"
-        )
-    order = list(range(len(lengths)))
-    random.Random(seed).shuffle(order)
+    minibatches = minibatch_sample_ids(len(lengths), global_batch, num_minibatches, seed)
     stats = {row: _RowStats() for row in ROWS}
-    for step in range(num_minibatches):
-        ids = order[step * global_batch : (step + 1) * global_batch]
+    for ids in minibatches:
         batch_lengths = [lengths[i] for i in ids]
         plans: dict[str, Plan | None] = {
             kind: make_plan(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 from pathlib import Path
 
 __all__ = [
@@ -91,3 +92,21 @@ def load_lengths_file(path: str | os.PathLike) -> list[int]:
         except ValueError:
             raise ValueError(f"{file}:{line_no}: not an integer length: {line.strip()!r}") from None
     return _check_lengths(lengths, str(file))
+
+
+def minibatch_sample_ids(
+    num_samples: int, global_batch: int, num_minibatches: int, seed: int
+) -> list[list[int]]:
+    """Consecutive minibatches of sample ids from one ``random.Random(seed).shuffle`` of the pool.
+
+    Raises:
+        ValueError: the pool holds fewer than ``global_batch * num_minibatches`` samples.
+    """
+    if global_batch * num_minibatches > num_samples:
+        raise ValueError(
+            f"--num-minibatches {num_minibatches} x global minibatch {global_batch} needs "
+            f"{global_batch * num_minibatches} samples, the pool has {num_samples}"
+        )
+    order = list(range(num_samples))
+    random.Random(seed).shuffle(order)
+    return [order[k * global_batch : (k + 1) * global_batch] for k in range(num_minibatches)]
