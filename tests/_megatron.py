@@ -40,6 +40,16 @@ from megatron_odc.patches.cpu import (
 )
 from megatron_odc.train import per_token_loss
 
+SMALL_GPT = {
+    "num_layers": 2,
+    "hidden_size": 40,
+    "num_attention_heads": 4,
+    "ffn_hidden_size": 72,
+    "vocab_size": 96,
+    "seq_length": 12,
+}
+"""``GPTConfig`` fields of the small fp32 GPT the backend tests share: uneven widths, several buckets."""
+
 
 def init_megatron(tp: int, seed: int) -> CpuPatches:
     """Apply the CPU patches, initialise model parallel with TP=``tp`` and seed the RNG trackers."""

@@ -28,14 +28,10 @@ import pytest
 import torch
 
 from tests._dist import RankFailureError, run_ranks
+from tests._megatron import SMALL_GPT
 
 CFG_KW = {
-    "num_layers": 2,
-    "hidden_size": 40,
-    "num_attention_heads": 4,
-    "ffn_hidden_size": 72,
-    "vocab_size": 96,
-    "seq_length": 12,
+    **SMALL_GPT,
     # SwiGLU's fc1 is a ShardedTensorFactory in the module's sharded state dict: it exercises the
     # gathered full-tensor fallback next to the uneven boxes of every other parameter.
     "swiglu": True,

@@ -14,15 +14,9 @@ import torch
 import torch.distributed as dist
 
 from tests._dist import RankFailureError, run_ranks
+from tests._megatron import SMALL_GPT
 
-CFG_KW = {
-    "num_layers": 2,
-    "hidden_size": 40,
-    "num_attention_heads": 4,
-    "ffn_hidden_size": 72,
-    "vocab_size": 96,
-    "seq_length": 12,
-}
+CFG_KW = SMALL_GPT
 
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -36,16 +36,10 @@ import torch
 import torch.distributed as dist
 
 from tests._dist import run_ranks
+from tests._megatron import SMALL_GPT
 
 # Small fp32 model of test_data_parallel.py (promise, backends, state_dict).
-CFG_KW = {
-    "num_layers": 2,
-    "hidden_size": 40,
-    "num_attention_heads": 4,
-    "ffn_hidden_size": 72,
-    "vocab_size": 96,
-    "seq_length": 12,
-}
+CFG_KW = SMALL_GPT
 # A slightly larger model for memory and mixed precision: P = 142,208 elements in 4 layers and the root
 # unit, about 20 buckets.
 MEM_KW = {
