@@ -16,8 +16,10 @@ chooses it, e.g. reverse registration order as Megatron's DDP does) and packs th
 - The effective bucket size is ``bucket_numel`` rounded UP to a multiple of ``dp_size * alignment``
   (``Layout.bucket_numel`` records it). A parameter that does not fit behind the open bucket's last one
   closes that bucket and opens a new one.
-- A parameter never spans two buckets unless it alone is larger than the effective bucket size. Then it
-  is split into consecutive pieces, each alone in its own bucket; every piece but the last holds exactly
+- A parameter never spans two buckets unless it alone is larger than the effective bucket size and is
+  ``splittable``. An unsplittable one (FP8 parameters: one scale per tensor, re-quantised from one owned
+  range per rank) then gets a bucket of its own, larger than the effective size. A splittable one is
+  split into consecutive pieces, each alone in its own bucket; every piece but the last holds exactly
   ``bucket_numel`` elements and has no padding, so the unit's buckets laid back to back hold the
   parameter contiguously. The bucket of the last piece is closed too: the next parameter opens a new one.
 - ``padded_numel`` is the end of the last slot rounded up to a multiple of ``dp_size * alignment`` and is
@@ -41,8 +43,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_FINGERPRINT_VERSION = 1
-_RECORD_FIELDS = ("name", "shape", "dtype", "unit")
+_FINGERPRINT_VERSION = 2
+_RECORD_FIELDS = ("name", "shape", "dtype", "unit", "splittable")
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -62,12 +64,15 @@ class ParamSpec:
         shape: Parameter shape; any sequence of non-negative ints is accepted and stored as a tuple.
         dtype: Dtype of the parameter's compute copy (the dtype of its bucket).
         unit: The module group whose hooks fetch this parameter ("" = one unit for everything).
+        splittable: Whether a parameter larger than the bucket size may be split over several buckets
+            (False: it gets one oversized bucket of its own).
     """
 
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
     unit: str = ""
+    splittable: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -91,6 +96,10 @@ class ParamSpec:
             )
         if not isinstance(self.unit, str):
             raise ValueError(f"parameter {self.name!r}: unit must be a string, got {self.unit!r}")
+        if not isinstance(self.splittable, bool):
+            raise ValueError(
+                f"parameter {self.name!r}: splittable must be a bool, got {self.splittable!r}"
+            )
 
     @property
     def numel(self) -> int:
@@ -198,7 +207,7 @@ class BucketLayout:
 
 def _record(spec: ParamSpec) -> str:
     return json.dumps(
-        [spec.name, list(spec.shape), str(spec.dtype), spec.unit],
+        [spec.name, list(spec.shape), str(spec.dtype), spec.unit, spec.splittable],
         separators=(",", ":"),
         ensure_ascii=True,
     )
@@ -281,7 +290,7 @@ class Layout:
         return sum(b.shard_numel for b in self.buckets)
 
     def records(self) -> list[str]:
-        """One canonical line per parameter (name, shape, dtype, unit), in layout order."""
+        """One canonical line per parameter (name, shape, dtype, unit, splittable), in layout order."""
         return [_record(spec) for spec in self.params]
 
     def fingerprint(self) -> str:
@@ -355,6 +364,10 @@ def build_layout(
         numel = spec.numel
         if open_slots is not None and open_key != key:
             open_slots = None
+        if numel > effective_numel and not spec.splittable:
+            open_slots = None
+            raw.append((spec.unit, spec.dtype, [ParamSlot(spec.name, len(raw), 0, 0, numel)]))
+            continue
         if numel > effective_numel:
             open_slots = None
             for param_offset in range(0, numel, effective_numel):
@@ -376,7 +389,9 @@ def build_layout(
     for index, (unit, dtype, slots) in enumerate(raw):
         numel_unpadded = slots[-1].bucket_end
         padded_numel = max(_round_up(numel_unpadded, row_numel), row_numel)
-        assert numel_unpadded <= padded_numel <= effective_numel, (index, padded_numel)
+        oversized = len(slots) == 1 and slots[0].numel > effective_numel
+        assert numel_unpadded <= padded_numel, (index, padded_numel)
+        assert oversized or padded_numel <= effective_numel, (index, padded_numel)
         buckets.append(
             BucketLayout(index, unit, dtype, tuple(slots), numel_unpadded, padded_numel, dp_size)
         )
@@ -412,7 +427,7 @@ def first_difference(mine: Sequence[str], other: Sequence[str], other_rank: int)
 
     Returns:
         None if the records are equal, otherwise a message naming the first parameter that differs and
-        how: its shape, dtype or unit, its position (order), or that it is missing on / extra on the other
+        how: its shape, dtype, unit or splittability, its position (order), or that it is missing on / extra on the other
         rank.
 
     Raises:

@@ -337,6 +337,33 @@ def test_hand_worked_example():
     assert layout.shard_numel_per_rank == 40
 
 
+def test_unsplittable_param_gets_one_oversized_bucket_of_its_own():
+    u8, f32 = torch.uint8, torch.float32
+    specs = [
+        ParamSpec("small", (3,), u8, "u0", splittable=False),
+        ParamSpec("big", (5, 8), u8, "u0", splittable=False),
+        ParamSpec("after", (2,), u8, "u0"),
+        ParamSpec("split", (40,), f32, "u0"),
+    ]
+    layout = build_layout(specs, dp_size=2, bucket_numel=10, alignment=4)
+    placed = [[(s.name, s.param_offset, s.numel) for s in bk.slots] for bk in layout.buckets]
+    assert placed == [
+        [("small", 0, 3)],  # fits: an unsplittable parameter packs like any other
+        [("big", 0, 40)],  # 40 > 16 and unsplittable: one bucket, padded to 40 (> 16)
+        [("after", 0, 2)],  # the oversized bucket is closed
+        [("split", 0, 16)],
+        [("split", 16, 16)],
+        [("split", 32, 8)],
+    ]
+    big = layout.buckets[1]
+    assert (big.padded_numel, big.shard_numel) == (40, 20)
+    # Each rank owns one contiguous range of the whole parameter.
+    assert [(s.name, lo, hi) for s, lo, hi in big.owned_pieces(0)] == [("big", 0, 20)]
+    assert [(s.name, lo, hi) for s, lo, hi in big.owned_pieces(1)] == [("big", 20, 40)]
+    with pytest.raises(ValueError, match="splittable must be a bool"):
+        ParamSpec("x", (1,), u8, splittable="no")
+
+
 def test_zero_element_params_alone_still_get_a_nonempty_bucket():
     specs = [
         ParamSpec("w", (10,), torch.float32, "a"),
@@ -421,6 +448,11 @@ def _mutations(specs: list[ParamSpec], rng: random.Random):
     yield replaced(ParamSpec(spec.name, spec.shape, other_dtype, spec.unit)), spec.name, "dtype"
     yield replaced(ParamSpec(spec.name, spec.shape, spec.dtype, spec.unit + "x")), spec.name, "unit"
     yield (
+        replaced(ParamSpec(spec.name, spec.shape, spec.dtype, spec.unit, not spec.splittable)),
+        spec.name,
+        "splittable",
+    )
+    yield (
         replaced(ParamSpec(spec.name + "_r", spec.shape, spec.dtype, spec.unit)),
         spec.name,
         "missing",
@@ -491,7 +523,7 @@ KNOWN_SPECS = (
     ("decoder.layers.0.self_attention.linear_qkv.bias", (24,), "float32", "layers.0"),
     ("decoder.final_layernorm.weight", (8,), "float32", ""),
 )
-KNOWN_FINGERPRINT = "aef30883d9e6968865a1d690855fd781355bf525fec2bbe0ff73308bc5cad9c5"
+KNOWN_FINGERPRINT = "41bafd859113bf6e6ad16f4dde2c0149b028780de77044d534692497d2ec98eb"  # version 2
 
 
 def _known_layout() -> Layout:

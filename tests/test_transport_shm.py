@@ -126,7 +126,9 @@ def _check_errors(t: ShmTransport, shm_dir: str) -> None:
     rank, world_size = t.rank, t.world_size
     t.register("err_f32", 100, torch.float32)
     t.register("err_bf16", 100, torch.bfloat16)
+    t.register("err_readonly", 100, torch.float32, accumulate=False)
     cases = [
+        (lambda: t.accumulate("err_readonly", 0, 0, torch.ones(2)), r"accumulate=False"),
         (lambda: t.get("err_f32", 0, 90, torch.empty(20)), r"range \[90, 110\) is out of bounds"),
         (lambda: t.get("err_f32", 0, -1, torch.empty(2)), r"range \[-1, 1\) is out of bounds"),
         (lambda: t.accumulate("err_f32", 0, 0, torch.ones(101)), r"of 100 elements per rank"),

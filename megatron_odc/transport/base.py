@@ -6,9 +6,15 @@ number of elements on every rank). After registration a rank may, without any pa
 
 - ``get(name, peer, offset, out)``: copy ``peer``'s shard ``[offset, offset + out.numel())`` into ``out``;
 - ``accumulate(name, peer, offset, src)``: add ``src`` into ``peer``'s shard at ``offset`` (fp32
-  destination; sources fp32, bf16 or fp16), safe against any number of concurrent accumulators;
+  destination registered with ``accumulate=True``; sources fp32, bf16 or fp16), safe against any number
+  of concurrent accumulators;
 - ``flush()``: this rank's earlier operations are complete at their targets;
 - ``fence()``: DP-wide; every rank's earlier operations are complete and visible to every rank.
+
+Every transport keeps its shards on one ``device`` (CPU for ``shm``; the rank's GPU for ``cuda``), and the
+tensors handed to ``get`` / ``accumulate`` must live there. On a GPU the operations are *stream-ordered*:
+they are enqueued on the caller's current CUDA stream, so work issued later on that stream sees their
+effect, and ``flush`` waits for the device.
 
 Whole-bucket helpers (``gather_shards``, ``scatter_accumulate``) are expressed on top of the one-sided calls
 here; the collective transport overrides them with all-gather / reduce-scatter, which is why it can only run
@@ -33,11 +39,14 @@ class TransportError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class BufferSpec:
-    """What a registered buffer is: its name, the number of elements of each rank's shard, and dtype."""
+    """What a registered buffer is: its name, the elements of each rank's shard, dtype, and whether
+    peers may accumulate into it (``accumulate=False``: read-only for peers, e.g. parameter shards, so
+    a backend spends no accumulate machinery such as staging slots on it)."""
 
     name: str
     numel: int
     dtype: torch.dtype
+    accumulate: bool = True
 
 
 def check_same_registration(infos: list) -> None:
@@ -63,6 +72,9 @@ class Transport(abc.ABC):
     this class validates every argument first, so every backend refuses bad input the same way.
     """
 
+    device: torch.device = torch.device("cpu")
+    """Where this transport's shards live; ``get`` / ``accumulate`` tensors must be there too."""
+
     def __init__(self, rank: int, world_size: int) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside a group of size {world_size}")
@@ -74,11 +86,14 @@ class Transport(abc.ABC):
 
     # ------------------------------------------------------------------ public protocol
 
-    def register(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def register(
+        self, name: str, numel: int, dtype: torch.dtype, *, accumulate: bool = True
+    ) -> torch.Tensor:
         """Collectively register a buffer; returns this rank's zero-filled shard (shared memory).
 
         Every rank must register the same names, sizes and dtypes in the same order; a mismatch raises
-        ``ValueError`` naming the rank that differs.
+        ``ValueError`` naming the rank that differs. ``accumulate=False`` declares the buffer read-only
+        for peers: ``accumulate`` into it raises ``ValueError``.
         """
         self._check_open()
         if not isinstance(name, str) or not name:
@@ -87,7 +102,7 @@ class Transport(abc.ABC):
             raise ValueError(f"rank {self.rank}: buffer {name!r} is already registered")
         if int(numel) != numel or numel < 0:
             raise ValueError(f"rank {self.rank}: buffer {name!r}: numel must be >= 0, got {numel}")
-        spec = BufferSpec(name, int(numel), dtype)
+        spec = BufferSpec(name, int(numel), dtype, bool(accumulate))
         local = self._register(spec)
         assert local.numel() == spec.numel, (local.numel(), spec)
         assert local.dtype == dtype, (local.dtype, spec)
@@ -123,17 +138,28 @@ class Transport(abc.ABC):
     def accumulate(self, name: str, peer: int, offset: int, src: torch.Tensor) -> None:
         """Add ``src`` into ``peer``'s fp32 shard of ``name`` at ``[offset, offset + src.numel())``."""
         spec = self._check_access(name, peer, offset, src, "accumulate")
+        self._check_accumulate_target(spec, "accumulate")
+        self._check_accumulate_source(spec, src, "accumulate")
+        self._accumulate(spec, peer, offset, src)
+
+    def _check_accumulate_target(self, spec: BufferSpec, op: str) -> None:
+        if not spec.accumulate:
+            raise ValueError(
+                f"rank {self.rank}: {op} into buffer {spec.name!r}, which was registered with "
+                "accumulate=False (read-only for peers)"
+            )
         if spec.dtype != torch.float32:
             raise ValueError(
-                f"rank {self.rank}: accumulate into buffer {name!r} of dtype {spec.dtype}; accumulate "
+                f"rank {self.rank}: {op} into buffer {spec.name!r} of dtype {spec.dtype}; accumulate "
                 "targets must be float32"
             )
+
+    def _check_accumulate_source(self, spec: BufferSpec, src: torch.Tensor, op: str) -> None:
         if src.dtype not in ACCUMULATE_SOURCE_DTYPES:
             raise ValueError(
-                f"rank {self.rank}: accumulate into buffer {name!r} from dtype {src.dtype}; sources must "
-                f"be one of {', '.join(str(d) for d in ACCUMULATE_SOURCE_DTYPES)}"
+                f"rank {self.rank}: {op} into buffer {spec.name!r} from dtype {src.dtype}; sources "
+                f"must be one of {', '.join(str(d) for d in ACCUMULATE_SOURCE_DTYPES)}"
             )
-        self._accumulate(spec, peer, offset, src)
 
     def gather_shards(self, name: str, out: torch.Tensor) -> None:
         """Fill ``out`` (``world_size * numel`` elements) with every rank's shard, in rank order.

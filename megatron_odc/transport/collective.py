@@ -3,7 +3,9 @@
 Buffers are plain local tensors. ``gather_shards`` is an all-gather and ``scatter_accumulate`` a
 reduce-scatter followed by an ``add_`` into the local fp32 shard, so every rank must call the same
 whole-bucket operation at the same time (lockstep). One-sided ``get`` / ``accumulate`` work only on the
-rank's own shard; on a peer they raise ``ValueError``. ``fence`` is ``dist.barrier``.
+rank's own shard; on a peer they raise ``ValueError``. ``fence`` is ``dist.barrier``. Buffers live on the
+group's collective device (the current GPU for NCCL, the CPU for gloo), so on GPUs this is the NCCL
+all-gather / reduce-scatter baseline.
 
 This module owns the ``CollectiveTransport`` class. It imports no megatron module.
 """
@@ -16,6 +18,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from megatron_odc.devices import collective_device
 from megatron_odc.transport.base import (
     ACCUMULATE_SOURCE_DTYPES,
     BufferSpec,
@@ -54,13 +57,18 @@ class CollectiveTransport(Transport):
         timeout_s: if set and the group is gloo, ``fence`` is a ``dist.monitored_barrier`` with this
             timeout, which raises ``TransportError`` naming the ranks that did not arrive; otherwise
             ``fence`` is ``dist.barrier`` bounded by the process group's own timeout.
+        device: where the buffers live; ``None`` means the group's collective device.
 
     Raises:
         ValueError: torch.distributed is not initialized, or ``timeout_s`` is not positive.
     """
 
     def __init__(
-        self, group: dist.ProcessGroup | None = None, *, timeout_s: float | None = None
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        timeout_s: float | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise ValueError(
@@ -70,6 +78,7 @@ class CollectiveTransport(Transport):
         if timeout_s is not None and timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0 or None, got {timeout_s}")
         self._group = group
+        self.device = torch.device(device) if device is not None else collective_device(group)
         self.timeout_s = timeout_s
         self._monitored = timeout_s is not None and dist.get_backend(group) == "gloo"
         # Per-buffer fp32 reduce-scatter output, allocated on first use and reused: a fresh large
@@ -80,7 +89,7 @@ class CollectiveTransport(Transport):
         infos: list[object] = [None] * self.world_size
         dist.all_gather_object(infos, (spec.name, spec.numel, str(spec.dtype)), group=self._group)
         check_same_registration(infos)
-        return torch.zeros(spec.numel, dtype=spec.dtype)
+        return torch.zeros(spec.numel, dtype=spec.dtype, device=self.device)
 
     def _check_self(self, spec: BufferSpec, peer: int, op: str) -> None:
         if peer != self.rank:
@@ -114,23 +123,17 @@ class CollectiveTransport(Transport):
         """Reduce-scatter ``src`` over the group and add this rank's slice into its fp32 shard (lockstep)."""
         spec = self._spec(name)
         self._check_full(spec, src, "scatter_accumulate")
-        if spec.dtype != torch.float32:
-            raise ValueError(
-                f"rank {self.rank}: scatter_accumulate into buffer {name!r} of dtype {spec.dtype}; "
-                "accumulate targets must be float32"
-            )
-        if src.dtype not in ACCUMULATE_SOURCE_DTYPES:
-            raise ValueError(
-                f"rank {self.rank}: scatter_accumulate into buffer {name!r} from dtype {src.dtype}; "
-                "sources must be float32, bfloat16 or float16"
-            )
+        self._check_accumulate_target(spec, "scatter_accumulate")
+        self._check_accumulate_source(spec, src, "scatter_accumulate")
         if not spec.numel:
             return
         # Sources are reduced in fp32 (a bf16/fp16 reduction would round at every partial sum).
         src_fp32 = src.view(-1).to(torch.float32)
         reduced = self._scratch.get(name)
         if reduced is None:
-            reduced = self._scratch[name] = torch.empty(spec.numel, dtype=torch.float32)
+            reduced = self._scratch[name] = torch.empty(
+                spec.numel, dtype=torch.float32, device=self.device
+            )
         _reduce_scatter_single(reduced, src_fp32, self._group)
         self._local[name].add_(reduced)
 

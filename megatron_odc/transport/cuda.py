@@ -3,22 +3,24 @@
 Every registered buffer is one symmetric allocation (``symm_mem.empty`` + ``symm_mem.rendezvous``), so each
 rank holds device pointers to every peer's shard:
 
-- ``get`` copies out of ``hdl.get_buffer(peer, ...)`` on a side stream; the caller's stream waits on it, so
-  anything issued later on that stream sees the data (stream-ordered completion);
+- ``get`` copies out of ``hdl.get_buffer(peer, ...)`` on the caller's current stream (stream-ordered:
+  work issued later on that stream sees the data; the engine issues fetches on its own fetch stream, see
+  [Note: overlap streams] in ``streams.py``);
 - ``accumulate`` has two modes (``accumulate_mode``):
 
   * ``"atomic"`` (default): a Triton kernel adds the source (fp32, bf16 or fp16, cast to fp32) into the
     peer's fp32 shard with ``tl.atomic_add(..., sem="relaxed", scope="sys")`` on the peer pointer taken from
     ``hdl.buffer_ptrs_dev``. No memory overhead; the summation order (and so the last bits) depends on
     timing;
-  * ``"deterministic"``: every fp32 buffer gets, on each owner, a symmetric *staging* buffer of
+  * ``"deterministic"``: every accumulate target (fp32, registered with ``accumulate=True``) gets, on each
+    owner, a symmetric *staging* buffer of
     ``world_size`` slots of one shard each (slot ``s`` belongs to source ``s``; only ``s`` writes it, in its
     own stream order). ``accumulate`` adds into the source's slot at the owner; ``fence`` reduces the slots
     into the owner's shard in the fixed order 0, 1, ..., W-1 and zeroes them. Bitwise reproducible, at a
     memory cost of ``world_size`` shards per fp32 buffer.
 
-- ``flush`` waits for this rank's streams; ``fence`` is the symmetric-memory barrier (``hdl.barrier()``),
-  or a process-group barrier before any buffer exists.
+- ``flush`` waits for this rank's device (every stream the caller used); ``fence`` is the symmetric-memory
+  barrier (``hdl.barrier()``), or a process-group barrier before any buffer exists.
 
 Feature-probed, never assumed: ``probe_symm_mem`` records what the installed PyTorch offers. Nothing CUDA-only
 is imported at module level, so this module imports on CPU; constructing the transport without CUDA raises
@@ -372,8 +374,6 @@ class CudaSymmTransport(Transport):
         self._symm_mem: ModuleType = symm_mem
         self._handles: dict[str, Any] = {}
         self._staging: dict[str, tuple[torch.Tensor, Any]] = {}  # name -> (staging buffer, handle)
-        self._get_stream = torch.cuda.Stream(self.device)
-        self._push_stream = torch.cuda.Stream(self.device)
         self._kernel: Any = None
         logger.debug(
             "rank %d: CudaSymmTransport on %s, mode %s, features %s, overlapping devices %s",
@@ -404,7 +404,7 @@ class CudaSymmTransport(Transport):
                 )
         tensor, handle = self._symmetric(spec.numel, spec.dtype)
         self._handles[spec.name] = handle
-        if self.accumulate_mode == "deterministic" and spec.dtype == torch.float32:
+        if self.accumulate_mode == "deterministic" and spec.accumulate and spec.dtype == torch.float32:
             num = staging_numel(self.world_size, spec.numel)
             staging, staging_handle = self._symmetric(num, torch.float32)
             self._staging[spec.name] = (staging[:num], staging_handle)
@@ -421,16 +421,12 @@ class CudaSymmTransport(Transport):
                 f"rank {self.rank}: get from buffer {spec.name!r} into a tensor on {out.device}; "
                 f"out must be on {self.device}"
             )
-        current = torch.cuda.current_stream(self.device)
-        self._get_stream.wait_stream(current)
-        with torch.cuda.stream(self._get_stream):
-            if peer == self.rank:
-                src = self._local_shard(spec.name)[offset : offset + numel]
-            else:
-                src = self._handles[spec.name].get_buffer(peer, (numel,), spec.dtype, offset)
-            out.copy_(src.view_as(out))
-        out.record_stream(self._get_stream)
-        current.wait_stream(self._get_stream)
+        # Stream-ordered on the caller's current stream.
+        if peer == self.rank:
+            src = self._local_shard(spec.name)[offset : offset + numel]
+        else:
+            src = self._handles[spec.name].get_buffer(peer, (numel,), spec.dtype, offset)
+        out.copy_(src.view_as(out))
 
     def _local_shard(self, name: str) -> torch.Tensor:
         # During _register the base class has not stored the shard yet; afterwards it has.
@@ -446,21 +442,18 @@ class CudaSymmTransport(Transport):
                 f"{src.device}; src must be on {self.device}"
             )
         kernel = select_accumulate_kernel(src.dtype, spec.dtype, self.accumulate_mode)
-        current = torch.cuda.current_stream(self.device)
-        self._push_stream.wait_stream(current)
         src_flat = src.view(-1)
-        with torch.cuda.stream(self._push_stream):
-            if kernel == "staging_add":
-                staging, handle = self._staging[spec.name]
-                base = staging_slot_offset(self.rank, self.world_size, spec.numel) + offset
-                if peer == self.rank:
-                    slot = staging[base : base + numel]
-                else:
-                    slot = handle.get_buffer(peer, (numel,), torch.float32, base)
-                slot.add_(src_flat)  # only this rank writes this slot: no atomics needed
+        # Stream-ordered on the caller's current stream.
+        if kernel == "staging_add":
+            staging, handle = self._staging[spec.name]
+            base = staging_slot_offset(self.rank, self.world_size, spec.numel) + offset
+            if peer == self.rank:
+                slot = staging[base : base + numel]
             else:
-                self._atomic_add(spec.name, peer, offset, src_flat)
-        src.record_stream(self._push_stream)
+                slot = handle.get_buffer(peer, (numel,), torch.float32, base)
+            slot.add_(src_flat)  # only this rank writes this slot: no atomics needed
+        else:
+            self._atomic_add(spec.name, peer, offset, src_flat)
 
     def _atomic_add(self, name: str, peer: int, offset: int, src_flat: torch.Tensor) -> None:
         if self._kernel is None:
@@ -479,12 +472,9 @@ class CudaSymmTransport(Transport):
             kernel[grid](ptrs_dev, peer, offset + lo, src_flat[lo:hi], n, block=self.block_numel)
 
     def flush(self) -> None:
-        """Wait (host-side) until this rank's gets and accumulates are complete at their targets."""
+        """Wait (host-side) until this rank's gets and accumulates, on any stream, are complete."""
         self._check_open()
-        current = torch.cuda.current_stream(self.device)
-        current.wait_stream(self._get_stream)
-        current.wait_stream(self._push_stream)
-        current.synchronize()
+        torch.cuda.synchronize(self.device)
 
     def fence(self) -> None:
         """DP-wide barrier; in deterministic mode the owner then reduces its staging slots (fixed order)."""
