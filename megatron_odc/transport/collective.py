@@ -20,7 +20,6 @@ import torch.distributed as dist
 
 from megatron_odc.devices import collective_device
 from megatron_odc.transport.base import (
-    ACCUMULATE_SOURCE_DTYPES,
     BufferSpec,
     Transport,
     TransportError,

@@ -404,7 +404,11 @@ class CudaSymmTransport(Transport):
                 )
         tensor, handle = self._symmetric(spec.numel, spec.dtype)
         self._handles[spec.name] = handle
-        if self.accumulate_mode == "deterministic" and spec.accumulate and spec.dtype == torch.float32:
+        if (
+            self.accumulate_mode == "deterministic"
+            and spec.accumulate
+            and spec.dtype == torch.float32
+        ):
             num = staging_numel(self.world_size, spec.numel)
             staging, staging_handle = self._symmetric(num, torch.float32)
             self._staging[spec.name] = (staging[:num], staging_handle)
