@@ -59,6 +59,7 @@ from megatron.core.dist_checkpointing.mapping import (
 from megatron.core.utils import unwrap_model
 
 from megatron_odc.data_parallel import OdcDataParallel
+from megatron_odc.devices import all_reduce_on_group_device
 from megatron_odc.optimizer import OdcOptimizer
 from megatron_odc.patches.cpu import active_cpu_patches, cuda_type_names
 
@@ -244,10 +245,13 @@ def _box_tensors(
 class _OwnedPiece:
     """A contiguous run of one parameter's elements that this DP rank owns."""
 
-    shard: torch.Tensor  # the owned compute-dtype shard slice (1-D view)
+    shard: (
+        torch.Tensor
+    )  # the owned compute-dtype shard slice (1-D view; a dequantised copy for FP8)
     param_flat_start: int  # flat offset of shard[0] in the (TP-local) parameter
     bucket_index: int
     shard_lo: int  # offset of the run inside the bucket's shard
+    fp8: bool = False  # ``shard`` stands for FP8 bytes: written back by re-quantising
 
 
 def _odc_name_map(model: OdcDataParallel, gpt: torch.nn.Module) -> dict[str, str]:
@@ -262,23 +266,24 @@ def _odc_name_map(model: OdcDataParallel, gpt: torch.nn.Module) -> dict[str, str
 
 
 def _odc_owned_pieces(model: OdcDataParallel, gpt: torch.nn.Module) -> dict[str, list[_OwnedPiece]]:
-    """Unwrapped-module parameter name -> the runs of it this DP rank owns."""
+    """Unwrapped-module parameter name -> the runs of it this DP rank owns.
+
+    FP8 parameters are saved as their values in the parameter's dtype (a dequantised copy of the owned
+    bytes), so checkpoints stay loadable by bf16 runs and other backends.
+    """
     engine = model.engine
     names = _odc_name_map(model, gpt)
+    params = dict(engine.parameters())
     pieces: dict[str, list[_OwnedPiece]] = {}
-    for bucket in engine.layout.buckets:
-        shard = engine.param_shard(bucket.index)
-        shard_start, _ = bucket.shard_range(engine.dp_rank)
-        for slot, start, end in bucket.owned_pieces(engine.dp_rank):
-            lo = slot.bucket_offset + start - shard_start
-            pieces.setdefault(names[slot.name], []).append(
-                _OwnedPiece(
-                    shard=shard[lo : lo + end - start],
-                    param_flat_start=slot.param_offset + start,
-                    bucket_index=bucket.index,
-                    shard_lo=lo,
-                )
-            )
+    for owned in engine.owned_pieces():
+        shard = engine.param_shard(owned.bucket_index)[owned.shard_lo : owned.shard_hi]
+        fp8 = owned.name in engine.fp8_names
+        if fp8:
+            param = params[owned.name]
+            shard = engine.fp8_codec.dequantize_bytes(param, shard).to(param.dtype)
+        pieces.setdefault(names[owned.name], []).append(
+            _OwnedPiece(shard, owned.param_start, owned.bucket_index, owned.shard_lo, fp8)
+        )
     return pieces
 
 
@@ -291,6 +296,9 @@ class OdcModelState:
     boxed: set[str]  # module keys saved as boxes over owned shards
     fallback: dict[str, torch.Tensor]  # module key -> full local tensor (gathered or to load into)
     fallback_entries: dict[str, Any]  # module key -> the module's own entry (e.g. a factory)
+    owned: dict[
+        str, list[_OwnedPiece]
+    ]  # module key -> this rank's owned runs (what the boxes hold)
 
 
 def odc_model_sharded_state_dict(
@@ -357,7 +365,7 @@ def odc_model_sharded_state_dict(
             fallback[key] = value
             sharded[key] = _replace_data(sharded[key], value)
     entries = {key: module_sd[key] for key in fallback_keys}
-    return OdcModelState(sharded, templates, boxed, fallback, entries)
+    return OdcModelState(sharded, templates, boxed, fallback, entries, owned)
 
 
 def _replace_data(entry: Any, data: torch.Tensor) -> Any:
@@ -379,14 +387,20 @@ def _odc_write_back(
         for target, value in zip(targets, values):
             if value.data_ptr() != target.data.data_ptr():
                 target.data.copy_(value)
-    if state.fallback:
-        owned = _odc_owned_pieces(model, gpt)
-        for key in state.fallback:
-            full = loaded[key].reshape(-1)
-            for piece in owned.get(key, []):
-                piece.shard.copy_(
-                    full[piece.param_flat_start : piece.param_flat_start + piece.shard.numel()]
-                )
+    for key in state.fallback:
+        full = loaded[key].reshape(-1)
+        for piece in state.owned.get(key, []):
+            piece.shard.copy_(
+                full[piece.param_flat_start : piece.param_flat_start + piece.shard.numel()]
+            )
+    engine = model.engine
+    if engine.fp8_names:  # FP8 pieces were loaded into copies: re-quantise them (collective)
+        by_run = {
+            (p.bucket_index, p.shard_lo): p.shard for pieces in state.owned.values() for p in pieces
+        }
+        engine.write_owned(
+            lambda p: by_run[(p.bucket_index, p.shard_lo)] if p.name in engine.fp8_names else None
+        )
     extra = {
         k: v for k, v in loaded.items() if k.endswith("_extra_state") and not isinstance(v, list)
     }
@@ -425,13 +439,7 @@ def _odc_optimizer_sharded_state_dict(
     names = _odc_name_map(model, gpt)
     engine = model.engine
     # (bucket_index, shard_lo) -> parameter flat start, for the pieces of this model's engine.
-    flat_start_of = {}
-    for bucket in engine.layout.buckets:
-        shard_start, _ = bucket.shard_range(engine.dp_rank)
-        for slot, start, _end in bucket.owned_pieces(engine.dp_rank):
-            flat_start_of[(bucket.index, slot.bucket_offset + start - shard_start)] = (
-                slot.param_offset + start
-            )
+    flat_start_of = {(p.bucket_index, p.shard_lo): p.param_start for p in engine.owned_pieces()}
     inner = optimizer.optimizer
     if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
         state_keys = ["exp_avg", "exp_avg_sq"]
@@ -488,8 +496,7 @@ def _odc_optimizer_sharded_state_dict(
             if not for_load:
                 for tensor, flat_start in runs:
                     full[flat_start : flat_start + tensor.numel()] = tensor
-                if dist.is_initialized():
-                    dist.all_reduce(full, group=model.dp_group)
+                all_reduce_on_group_device(full, group=model.dp_group)
             changes: dict[str, Any] = {
                 "key": f"{_OPT_PREFIX}.{sk}.{module_entry.key}",
                 "data": full.view(shape),
@@ -526,9 +533,8 @@ def _odc_optimizer_common(optimizer: OdcOptimizer) -> dict[str, Any]:
     if len(steps) > 1:
         raise ValueError(f"ODC optimizer: pieces disagree on the step count ({sorted(steps)})")
     step_max = torch.tensor([steps.pop() if steps else 0.0], dtype=torch.float64)
-    if dist.is_initialized():
-        # A rank that owns no piece has no state; every rank records the same step.
-        dist.all_reduce(step_max, op=dist.ReduceOp.MAX)
+    # A rank that owns no piece has no state; every rank records the same step.
+    all_reduce_on_group_device(step_max, dist.ReduceOp.MAX)
     step = int(step_max.item())
     groups = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
     for g in groups:

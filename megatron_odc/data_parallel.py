@@ -12,6 +12,12 @@ unchanged; a rank with zero microbatches calls ``finalize_model_grads`` directly
 Units: every ``TransformerLayer`` is fetched and released on its own; all other parameters (embeddings,
 final norm, output layer, a tied embedding used at both ends) form the root unit, fetched for the whole
 forward and backward of a microbatch.
+
+FP8 parameters (TransformerEngine ``Float8Tensor`` under ``--fp8-param-gather``, or
+``EmulatedFloat8Tensor``) are sharded and fetched as FP8 bytes and re-quantised from the owners' fp32
+masters after each step (``megatron_odc.fp8_params``). TE layers' fused wgrad accumulation writes into the
+``main_grad`` the engine binds for each backward and sets ``grad_added_to_main_grad``, which the engine
+honours.
 """
 
 from __future__ import annotations
@@ -30,8 +36,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import unwrap_model
 
+from megatron_odc.devices import all_reduce_on_group_device
 from megatron_odc.engine import ODCEngine
 from megatron_odc.fp8 import check_fp8_recipe
+from megatron_odc.fp8_params import select_fp8_codec
 from megatron_odc.hooks import ODCHooks
 from megatron_odc.telemetry import format_line, reduce_across
 from megatron_odc.transport import build_transport
@@ -46,8 +54,15 @@ class OdcConfig(DistributedDataParallelConfig):
     """``DistributedDataParallelConfig`` plus ODC's own fields (Megatron-LM fills same-named args)."""
 
     odc_transport: str = "shm"
-    """One-sided transport: ``shm`` (CPU, one host) or ``collective`` (lockstep all-gather /
-    reduce-scatter: the FSDP baseline)."""
+    """One-sided transport: ``shm`` (CPU, one host), ``cuda`` (PyTorch symmetric memory, the GPUs of one
+    node) or ``collective`` (lockstep all-gather / reduce-scatter: the FSDP baseline)."""
+
+    odc_cuda_accumulate: str = "atomic"
+    """``cuda`` transport only: ``atomic`` (Triton peer atomics) or ``deterministic`` (staging slots and
+    a fixed-order owner reduce at the fence: bitwise reproducible, one extra shard per source)."""
+
+    odc_pushes_in_flight: int = 1
+    """Unsharded gradient buffers whose push may still run while compute goes on (GPU overlap)."""
 
     odc_bucket_size: int = 40_000_000
     """Bucket size in elements; a parameter larger than this is split across buckets."""
@@ -66,12 +81,8 @@ class OdcConfig(DistributedDataParallelConfig):
 
 
 def _validate(config: TransformerConfig, ddp_config: DistributedDataParallelConfig) -> None:
-    check_fp8_recipe(config)  # delayed scaling's per-microbatch DP amax reduction would deadlock
-    if getattr(config, "fp8_param", False) or getattr(ddp_config, "fp8_param_gather", False):
-        raise ValueError(
-            "--fp8-param-gather (FP8 parameters) is not supported by --dp-backend odc yet: ODC fetches "
-            "the compute-dtype shard; FP8 compute on bf16 parameters (--fp8-format) works"
-        )
+    # Delayed scaling's per-microbatch DP amax reduction would deadlock; FP8 params need a per-tensor recipe.
+    check_fp8_recipe(config)
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         raise ValueError(
             "--dp-backend odc does not support pipeline parallelism "
@@ -155,7 +166,11 @@ class OdcDataParallel(DistributedDataParallel):
         order = {ROOT_UNIT: -1, **{u: i for i, (u, _) in enumerate(units)}}
         named.sort(key=lambda t: order[t[2]])  # root first, then layers in forward order (stable)
 
-        transport = build_transport(odc.odc_transport, self.dp_group, timeout_s=odc.odc_timeout_s)
+        fp8_codec = select_fp8_codec((n, p) for n, p, _ in named)
+        options = {"timeout_s": odc.odc_timeout_s}
+        if odc.odc_transport == "cuda":
+            options["accumulate_mode"] = odc.odc_cuda_accumulate
+        transport = build_transport(odc.odc_transport, self.dp_group, **options)
         grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else config.params_dtype
         try:
             self.engine = ODCEngine(
@@ -166,6 +181,8 @@ class OdcDataParallel(DistributedDataParallel):
                 alignment=odc.odc_alignment,
                 grad_dtype=grad_dtype,
                 check_params_equal=odc.odc_check_params_equal,
+                max_pushes_in_flight=odc.odc_pushes_in_flight,
+                fp8_codec=fp8_codec,
             )
         except BaseException:
             transport.close()  # a refused model (e.g. weights differ across DP) leaks no files or fds
@@ -224,7 +241,7 @@ class OdcDataParallel(DistributedDataParallel):
             if not slices:
                 continue
             flat = torch.cat(slices)
-            dist.all_reduce(flat, group=self.tp_group)  # gloo has no AVG: sum, then divide
+            all_reduce_on_group_device(flat, group=self.tp_group)  # gloo has no AVG: sum, divide
             if average:
                 flat.div_(tp_size)
             offset = 0
@@ -233,15 +250,12 @@ class OdcDataParallel(DistributedDataParallel):
                 offset += s.numel()
 
     def _owned_grad_slices(self, names: set[str]) -> list[torch.Tensor]:
-        slices = []
-        for bucket in self.engine.layout.buckets:
-            shard = self.engine.grad_shard(bucket.index)
-            shard_start, _ = bucket.shard_range(self.engine.dp_rank)
-            for slot, start, end in bucket.owned_pieces(self.engine.dp_rank):
-                if slot.name in names:
-                    lo = slot.bucket_offset + start - shard_start
-                    slices.append(shard[lo : lo + end - start])
-        return slices
+        engine = self.engine
+        return [
+            engine.grad_shard(p.bucket_index)[p.shard_lo : p.shard_hi]
+            for p in engine.owned_pieces()
+            if p.name in names
+        ]
 
     def scale_gradients(self, scaling_factor: float) -> None:
         """Scale the owned fp32 accumulators (``finalize_model_grads`` passes 1/num_tokens)."""
@@ -303,23 +317,20 @@ class OdcDataParallel(DistributedDataParallel):
         missing = [self._state_key[n] for n in params if n not in values]
         if strict and missing:
             raise ValueError(f"load_state_dict: missing parameters {missing[:5]}")
-        for bucket in self.engine.layout.buckets:
-            shard = self.engine.param_shard(bucket.index)
-            shard_start, _ = bucket.shard_range(self.engine.dp_rank)
-            for slot, start, end in bucket.owned_pieces(self.engine.dp_rank):
-                if slot.name not in values:
-                    continue
-                value = values[slot.name]
-                if tuple(value.shape) != tuple(params[slot.name].shape):
-                    raise ValueError(
-                        f"load_state_dict: parameter {slot.name!r} has shape {tuple(value.shape)} in "
-                        f"the state dict, {tuple(params[slot.name].shape)} in the model"
-                    )
-                lo = slot.bucket_offset + start - shard_start
-                src = value.detach().reshape(-1)[
-                    slot.param_offset + start : slot.param_offset + end
-                ]
-                shard[lo : lo + end - start].copy_(src)
+        for name, value in values.items():
+            if tuple(value.shape) != tuple(params[name].shape):
+                raise ValueError(
+                    f"load_state_dict: parameter {name!r} has shape {tuple(value.shape)} in the "
+                    f"state dict, {tuple(params[name].shape)} in the model"
+                )
+
+        def owned_values(piece):
+            value = values.get(piece.name)
+            if value is None:
+                return None
+            return value.detach().reshape(-1)[piece.param_start : piece.param_start + piece.numel]
+
+        self.engine.write_owned(owned_values)  # FP8 parameters: re-quantised (collective)
         self.engine.transport.fence()
         return torch.nn.modules.module._IncompatibleKeys([], [])
 

@@ -16,6 +16,16 @@
   shards and zeroed the accumulators) hold the only two DP-wide fences of a minibatch; ``begin_minibatch``
   fences only when the previous minibatch did not end with ``end_step``.
 
+Every buffer lives on the transport's device. On a GPU, fetches run on a fetch stream and pushes on a push
+stream while compute runs on the current stream ([Note: overlap streams] in ``transport/streams.py``):
+``start_fetch(unit)`` only issues the gather (a prefetch), ``finish_fetch(unit)`` makes compute wait for
+it; ``push`` issues the unit's accumulates after the compute that produced its gradients, and keeps at most
+``max_pushes_in_flight`` unsharded gradient buffers alive (compute waits for the oldest push before its
+buffer is dropped). On CPU the streams run everything in order.
+
+FP8 parameters (a ``Float8ParamCodec`` recognises them) are stored as raw bytes in uint8 buckets, never
+split over buckets, so each rank owns one contiguous range of each and fetches FP8 bytes.
+
 [Note: bucket lifecycle] Per bucket: SHARDED -> FETCHING -> UNSHARDED -> (backward) PUSHING -> UNSHARDED
 -> SHARDED. Any other transition raises ``RuntimeError`` naming the rank, bucket and a parameter.
 
@@ -24,17 +34,21 @@ No megatron import: the Megatron-facing wrapper (``data_parallel.py``) and the h
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from megatron_odc.devices import collective_device
+from megatron_odc.fp8 import Float8ParamCodec
 from megatron_odc.layout import BucketLayout, Layout, ParamSpec, build_layout, check_same_layout
 from megatron_odc.telemetry import Telemetry
 from megatron_odc.transport.base import Transport
+from megatron_odc.transport.streams import StreamOps, TorchStreams
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +88,23 @@ class _StorageGroup:
     grad_flat: torch.Tensor | None = None  # 1D, allocated by begin_backward
 
 
+@dataclasses.dataclass(frozen=True)
+class OwnedPiece:
+    """A run of one parameter that this DP rank owns: ``param[param_start : param_start + numel]`` (flat)
+    lives at ``[shard_lo, shard_hi)`` of bucket ``bucket_index``'s param shard and grad accumulator."""
+
+    name: str
+    bucket_index: int
+    shard_lo: int
+    shard_hi: int
+    param_start: int
+
+    @property
+    def numel(self) -> int:
+        """Elements in the run."""
+        return self.shard_hi - self.shard_lo
+
+
 @dataclasses.dataclass
 class _ParamEntry:
     name: str
@@ -98,6 +129,9 @@ class ODCEngine:
             owners' fp32 accumulators.
         buffer_prefix: prefix of the transport buffer names (several engines may share a transport).
         check_params_equal: verify at construction that every DP rank holds the same parameter values.
+        streams: the stream implementation (default: ``TorchStreams`` on the transport's device).
+        max_pushes_in_flight: unsharded gradient buffers whose push may still run while compute goes on.
+        fp8_codec: recognises FP8 parameters and handles their bytes (``None``: no FP8 parameters).
     """
 
     def __init__(
@@ -111,17 +145,55 @@ class ODCEngine:
         grad_dtype: torch.dtype = torch.float32,
         buffer_prefix: str = "odc",
         check_params_equal: bool = True,
+        streams: StreamOps | None = None,
+        max_pushes_in_flight: int = 1,
+        fp8_codec: Float8ParamCodec | None = None,
     ) -> None:
+        if max_pushes_in_flight < 1:
+            raise ValueError(f"max_pushes_in_flight must be >= 1, got {max_pushes_in_flight}")
         self.transport = transport
         self.group = group
         self.dp_rank = transport.rank
         self.dp_size = transport.world_size
+        self.device = transport.device
         self.grad_dtype = grad_dtype
         self.telemetry = Telemetry()
+        self.fp8_codec = fp8_codec
+        self.max_pushes_in_flight = max_pushes_in_flight
         self._prefix = buffer_prefix
         self._closed = False
+        self._ops = streams if streams is not None else TorchStreams(self.device)
+        self._compute_stream = self._ops.stream("compute")
+        self._fetch_stream = self._ops.stream("fetch")
+        self._push_stream = self._ops.stream("push")
+        self._fetch_events: dict[str, object] = {}
+        # (push event, unsharded gradient buffers it reads), oldest first.
+        self._pushes_in_flight: collections.deque[tuple[object, list[torch.Tensor]]] = (
+            collections.deque()
+        )
 
-        specs = [ParamSpec(name, tuple(p.shape), p.dtype, unit) for name, p, unit in named_params]
+        self.fp8_names: frozenset[str] = frozenset(
+            name for name, p, _ in named_params if fp8_codec is not None and fp8_codec.is_fp8(p)
+        )
+        for name, p, _ in named_params:
+            if name in self.fp8_names:
+                fp8_codec.check(p, name)
+            if p.device != self.device:
+                raise ValueError(
+                    f"DP rank {self.dp_rank}: parameter {name!r} is on {p.device} but the "
+                    f"{type(transport).__name__}'s memory is on {self.device}; move the model to "
+                    f"{self.device} before wrapping it"
+                )
+        specs = [
+            ParamSpec(
+                name,
+                tuple(p.shape),
+                torch.uint8 if name in self.fp8_names else p.dtype,
+                unit,
+                splittable=name not in self.fp8_names,
+            )
+            for name, p, unit in named_params
+        ]
         self.layout: Layout = build_layout(
             specs, self.dp_size, bucket_numel=bucket_numel, alignment=alignment
         )
@@ -132,7 +204,9 @@ class ODCEngine:
 
         self.states: list[BucketState] = [BucketState.SHARDED] * len(self.layout.buckets)
         for bucket in self.layout.buckets:
-            transport.register(self._param_buffer(bucket.index), bucket.shard_numel, bucket.dtype)
+            transport.register(
+                self._param_buffer(bucket.index), bucket.shard_numel, bucket.dtype, accumulate=False
+            )
             transport.register(self._grad_buffer(bucket.index), bucket.shard_numel, torch.float32)
 
         self._groups: dict[str, list[_StorageGroup]] = {}
@@ -170,10 +244,14 @@ class ODCEngine:
     def _check_params_equal(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
         if self.dp_size == 1 or not dist.is_initialized() or not named:
             return
+        device = collective_device(self.group)
         sums = []
-        for _, p in named:
-            flat = p.detach().reshape(-1).double()
-            weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64).remainder_(997.0)
+        for name, p in named:
+            values = self.fp8_codec.raw_data(p) if name in self.fp8_names else p.detach()
+            flat = values.reshape(-1).to(device=device, dtype=torch.float64)
+            weights = torch.arange(
+                1, flat.numel() + 1, dtype=torch.float64, device=device
+            ).remainder_(997.0)
             sums.append(torch.stack([flat.sum(), (flat * weights).sum()]))
         mine = torch.stack(sums)
         gathered = [torch.empty_like(mine) for _ in range(self.dp_size)]
@@ -195,7 +273,7 @@ class ODCEngine:
             shard = self.transport.local(self._param_buffer(bucket.index))
             shard_start, _ = bucket.shard_range(self.dp_rank)
             for slot, start, end in bucket.owned_pieces(self.dp_rank):
-                src = params[slot.name].detach().reshape(-1)
+                src = self._values(slot.name, params[slot.name]).reshape(-1)
                 dst_start = slot.bucket_offset + start - shard_start
                 shard[dst_start : dst_start + end - start].copy_(
                     src[slot.param_offset + start : slot.param_offset + end]
@@ -212,7 +290,7 @@ class ODCEngine:
             for bucket in run:
                 starts.append(total)
                 total += bucket.padded_numel
-            flat = torch.zeros(total, dtype=run[0].dtype)
+            flat = torch.zeros(total, dtype=run[0].dtype, device=self.device)
             group = _StorageGroup(
                 unit=run[0].unit,
                 dtype=run[0].dtype,
@@ -240,8 +318,18 @@ class ODCEngine:
                         flat_start=flat_start,
                         bucket_indices=tuple(s.bucket_index for s in slots),
                     )
-                    p.data = flat[flat_start : flat_start + p.numel()].view(p.shape)
+                    view = flat[flat_start : flat_start + p.numel()]
+                    if slot.name in self.fp8_names:
+                        self.fp8_codec.bind(p, view)
+                    else:
+                        p.data = view.view(p.shape)
             flat.untyped_storage().resize_(0)
+
+    def _values(self, name: str, param: torch.Tensor) -> torch.Tensor:
+        """What the buckets store of a parameter: its values, or its FP8 bytes."""
+        if name in self.fp8_names:
+            return self.fp8_codec.raw_data(param)
+        return param.detach()
 
     # ------------------------------------------------------------------ state machine
 
@@ -272,32 +360,72 @@ class ODCEngine:
 
     # ------------------------------------------------------------------ fetch / release
 
-    def fetch(self, unit: str) -> None:
-        """Assemble the unit's parameters from every owner; a no-op if they are already present."""
+    def start_fetch(self, unit: str) -> None:
+        """Issue the gather of the unit's buckets from every owner on the fetch stream (a prefetch).
+
+        A no-op unless the unit is released. ``finish_fetch`` makes compute wait for it.
+        """
         self._check_open()
         if self.unit_state(unit) is not BucketState.SHARDED:
             return
         with self.telemetry.timed("fetch_wait_s"):
+            # The freed storage may be reused by the allocator for this fetch: compute's earlier reads of
+            # whatever lived there must be done before the fetch stream overwrites it.
+            self._ops.wait(self._fetch_stream, self._ops.record(self._compute_stream))
             for group in self._groups[unit]:
                 group.params_flat.untyped_storage().resize_(
                     group.numel * group.params_flat.element_size()
                 )
-                for bucket_index, start in zip(group.bucket_indices, group.bucket_starts):
-                    bucket = self.layout.buckets[bucket_index]
+                for bucket_index in group.bucket_indices:
                     self._transition(bucket_index, BucketState.FETCHING, "fetch")
-                    self.transport.gather_shards(
-                        self._param_buffer(bucket_index),
-                        group.params_flat[start : start + bucket.padded_numel],
-                    )
-                    self._transition(bucket_index, BucketState.UNSHARDED, "fetch")
-                    self.telemetry.fetch_bytes += bucket.shard_nbytes * (self.dp_size - 1)
-                    self.telemetry.num_fetches += 1
+            self._ops.launch(
+                self._fetch_stream, f"fetch:{unit}", lambda: self._gather_unit(unit), 0.0
+            )
+            self._fetch_events[unit] = self._ops.record(self._fetch_stream)
+
+    def _gather_unit(self, unit: str) -> None:
+        for group in self._groups[unit]:
+            for bucket_index, start in zip(group.bucket_indices, group.bucket_starts):
+                bucket = self.layout.buckets[bucket_index]
+                self.transport.gather_shards(
+                    self._param_buffer(bucket_index),
+                    group.params_flat[start : start + bucket.padded_numel],
+                )
+                self.telemetry.fetch_bytes += bucket.shard_nbytes * (self.dp_size - 1)
+                self.telemetry.num_fetches += 1
+
+    def finish_fetch(self, unit: str) -> None:
+        """Make compute wait for the unit's fetch; afterwards its parameters may be used."""
+        self._check_open()
+        if self.unit_state(unit) is not BucketState.FETCHING:
+            return
+        with self.telemetry.timed("fetch_wait_s"):
+            self._ops.wait(self._compute_stream, self._fetch_events.pop(unit))
+            for bucket_index in self._unit_buckets(unit):
+                self._transition(bucket_index, BucketState.UNSHARDED, "fetch")
+            fp8 = self._unit_fp8_params(unit)
+            if fp8:
+                self.fp8_codec.after_fetch(fp8)
+
+    def fetch(self, unit: str) -> None:
+        """Assemble the unit's parameters from every owner; a no-op if they are already present."""
+        self.start_fetch(unit)
+        self.finish_fetch(unit)
+
+    def _unit_fp8_params(self, unit: str) -> list[torch.Tensor]:
+        return [self._entries[n].param for n in self._unit_names[unit] if n in self.fp8_names]
 
     def release(self, unit: str) -> None:
         """Free the unit's unsharded parameters; a no-op if already released."""
         state = self.unit_state(unit)
         if state is BucketState.SHARDED:
             return
+        self.finish_fetch(
+            unit
+        )  # a prefetch nobody used: its writes must end before the memory is reused
+        fp8 = self._unit_fp8_params(unit)
+        if fp8:
+            self.fp8_codec.before_release(fp8)
         for bucket_index in self._unit_buckets(unit):
             self._transition(bucket_index, BucketState.SHARDED, "release")
         for group in self._groups[unit]:
@@ -320,7 +448,7 @@ class ODCEngine:
         for bucket_index in self._unit_buckets(unit):
             self._transition(bucket_index, BucketState.PUSHING, "begin_backward")
         for group in self._groups[unit]:
-            group.grad_flat = torch.zeros(group.numel, dtype=self.grad_dtype)
+            group.grad_flat = torch.zeros(group.numel, dtype=self.grad_dtype, device=self.device)
         for name in self._unit_param_names(unit):
             entry = self._entries[name]
             p = entry.param
@@ -370,30 +498,56 @@ class ODCEngine:
         return None
 
     def push(self, unit: str) -> None:
-        """Accumulate each owner's slice of the unit's unsharded gradient into the owner's shard."""
+        """Accumulate each owner's slice of the unit's unsharded gradient into the owner's shard.
+
+        Issued on the push stream after the compute that produced the gradients; the unsharded gradient
+        buffers stay alive until compute has waited for their push (see ``max_pushes_in_flight``).
+        """
         self._check_open()
         if self.unit_state(unit) is not BucketState.PUSHING:
             for bucket_index in self._unit_buckets(unit):
                 self._transition(bucket_index, BucketState.UNSHARDED, "push")
+        groups = self._groups[unit]
         with self.telemetry.timed("push_s"):
-            for group in self._groups[unit]:
-                assert group.grad_flat is not None
-                for bucket_index, start in zip(group.bucket_indices, group.bucket_starts):
-                    bucket = self.layout.buckets[bucket_index]
-                    self.transport.scatter_accumulate(
-                        self._grad_buffer(bucket_index),
-                        group.grad_flat[start : start + bucket.padded_numel],
-                    )
-                    self.telemetry.push_bytes += (
-                        bucket.shard_numel * group.grad_flat.element_size() * (self.dp_size - 1)
-                    )
-                    self.telemetry.num_pushes += 1
+            self._ops.wait(self._push_stream, self._ops.record(self._compute_stream))
+            self._ops.launch(
+                self._push_stream, f"push:{unit}", lambda: self._scatter_unit(groups), 0.0
+            )
+            grads = [g.grad_flat for g in groups if g.grad_flat is not None]
+            self._pushes_in_flight.append((self._ops.record(self._push_stream), grads))
+            for group in groups:
+                for bucket_index in group.bucket_indices:
                     self._transition(bucket_index, BucketState.UNSHARDED, "push")
                 group.grad_flat = None
+            while len(self._pushes_in_flight) > self.max_pushes_in_flight:
+                self._retire_oldest_push()
         for name in self._unit_param_names(unit):
             self._entries[name].param.main_grad = None
         self._pending[unit] = set()
         self._ready[unit] = set()
+
+    def _scatter_unit(self, groups: list[_StorageGroup]) -> None:
+        for group in groups:
+            assert group.grad_flat is not None
+            for bucket_index, start in zip(group.bucket_indices, group.bucket_starts):
+                bucket = self.layout.buckets[bucket_index]
+                self.transport.scatter_accumulate(
+                    self._grad_buffer(bucket_index),
+                    group.grad_flat[start : start + bucket.padded_numel],
+                )
+                self.telemetry.push_bytes += (
+                    bucket.shard_numel * group.grad_flat.element_size() * (self.dp_size - 1)
+                )
+                self.telemetry.num_pushes += 1
+
+    def _retire_oldest_push(self) -> None:
+        """Compute waits for the oldest push; then its gradient buffers may be freed and reused."""
+        event, _ = self._pushes_in_flight.popleft()
+        self._ops.wait(self._compute_stream, event)
+
+    def _retire_all_pushes(self) -> None:
+        while self._pushes_in_flight:
+            self._retire_oldest_push()
 
     def finish_backward(self) -> None:
         """End of one backward pass: push partial units (unused parameters) and release everything."""
@@ -424,6 +578,7 @@ class ODCEngine:
         self.telemetry.begin_minibatch()
         if not self._clean:
             with self.telemetry.timed("fence_s"):
+                self._retire_all_pushes()
                 self.transport.flush()
                 self.transport.fence()
                 self._zero_accumulators()
@@ -439,6 +594,7 @@ class ODCEngine:
         self._check_open()
         self.finish_backward()
         with self.telemetry.timed("fence_s"):
+            self._retire_all_pushes()
             self.transport.flush()
             self.transport.fence()
         self.telemetry.end_minibatch()
@@ -459,6 +615,57 @@ class ODCEngine:
         self._clean = True
 
     # ------------------------------------------------------------------ owned shards
+
+    def owned_pieces(self) -> list[OwnedPiece]:
+        """Every run of a parameter this rank owns, in layout order (an unsplittable one: at most one)."""
+        pieces = []
+        for bucket in self.layout.buckets:
+            shard_start, _ = bucket.shard_range(self.dp_rank)
+            for slot, start, end in bucket.owned_pieces(self.dp_rank):
+                lo = slot.bucket_offset + start - shard_start
+                pieces.append(
+                    OwnedPiece(
+                        slot.name, bucket.index, lo, lo + end - start, slot.param_offset + start
+                    )
+                )
+        return pieces
+
+    def write_owned(self, values: Callable[[OwnedPiece], torch.Tensor | None]) -> None:
+        """Write new values into this rank's owned parameter slices (they become visible at the next fence).
+
+        ``values(piece)`` returns the ``piece.numel`` new values of an owned piece (any float dtype), or
+        ``None`` to keep it. FP8 parameters are re-quantised through the codec with the amax reduced over
+        the DP group, so this is collective when the model has FP8 parameters: every DP rank calls it.
+        """
+        fp8_values: dict[str, tuple[OwnedPiece, torch.Tensor]] = {}
+        params = dict(self.parameters())
+        for piece in self.owned_pieces():
+            value = values(piece)
+            shard = self.param_shard(piece.bucket_index)[piece.shard_lo : piece.shard_hi]
+            if piece.name in self.fp8_names:
+                if value is None:  # keep: re-quantise the current values with the new shared scale
+                    value = self.fp8_codec.dequantize_bytes(params[piece.name], shard)
+                fp8_values[piece.name] = (piece, value)
+            elif value is not None:
+                shard.copy_(value.reshape(-1))
+        if not self.fp8_names:
+            return
+        fp8_params, mains, offsets, shards = [], [], [], []
+        for name, param in params.items():  # layout order: the same on every DP rank
+            if name not in self.fp8_names:
+                continue
+            fp8_params.append(param)
+            piece, value = fp8_values.get(name, (None, None))
+            mains.append(
+                None if value is None else value.reshape(-1).to(self.device, torch.float32)
+            )
+            offsets.append(None if piece is None else piece.param_start)
+            shards.append(
+                None
+                if piece is None
+                else self.param_shard(piece.bucket_index)[piece.shard_lo : piece.shard_hi]
+            )
+        self.fp8_codec.quantize_shards(fp8_params, mains, offsets, shards, self.group)
 
     def param_shard(self, bucket_index: int) -> torch.Tensor:
         """This rank's compute-dtype parameter shard of a bucket (what peers fetch)."""
@@ -484,7 +691,12 @@ class ODCEngine:
             was_sharded = self.unit_state(unit) is BucketState.SHARDED
             self.fetch(unit)
             for name in self._unit_param_names(unit):
-                out[name] = self._entries[name].param.detach().clone()
+                param = self._entries[name].param
+                if name in self.fp8_names:  # the values the FP8 bytes stand for
+                    data = self.fp8_codec.raw_data(param).reshape(-1)
+                    out[name] = self.fp8_codec.dequantize_bytes(param, data).view(param.shape)
+                else:
+                    out[name] = param.detach().clone()
             if was_sharded:
                 self.release(unit)
         return out
@@ -511,4 +723,5 @@ class ODCEngine:
         if self._closed:
             return
         self._closed = True
+        self._pushes_in_flight.clear()
         self.transport.close()

@@ -1,38 +1,45 @@
-"""FP8 parameter bookkeeping for ODC: owned-shard re-quantisation, DP-wide amax, fetched FP8 bytes.
+"""FP8 parameters for ODC: the per-tensor FP8 maths, the codec interface the engine uses, and an emulated FP8
+weight type that runs anywhere.
 
-With FP8 parameters (TransformerEngine ``Float8Tensor``, per-tensor scaling) the bytes peers fetch are the
-FP8 data, so after every optimizer step each owner re-quantises *its* slice of every FP8 parameter from the
-fp32 main shard. Every rank must derive the same scale for a parameter, so the per-parameter amax of the
-owned slices is reduced (MAX) over the DP group: one ``all_reduce`` of a stacked vector, at the fence after
-the step (``FP8ShardBookkeeper.requantize``). A fetched bucket's FP8 bytes plus the shared ``scale_inv``
-dequantise to within FP8 rounding of the fp32 master.
+With FP8 parameters (TransformerEngine ``Float8Tensor`` under ``--fp8-param-gather``, per-tensor scaling) the
+bytes peers fetch are the FP8 data: half the bytes of bf16. The engine keeps each FP8 parameter's raw
+bytes (uint8) in its own unsplittable range of a uint8 bucket, and a ``Float8ParamCodec`` tells it how to
+read and rebind those bytes, what to do after a fetch (TE: build the transpose) and before a release, and,
+after every optimizer step, how to re-quantise each rank's *owned* slice from the fp32 main shard:
+``quantize_shards`` reduces the per-parameter amax (MAX) over the DP group in one collective, so every rank
+derives the same scale, and writes the owned FP8 bytes plus the shared ``scale_inv``. A fetched parameter
+then equals what one process quantising the whole fp32 master would hold.
+
+Two codecs: ``EmulatedFloat8Codec`` here, for ``EmulatedFloat8Tensor`` (a real per-tensor FP8 weight in
+pure torch: CPU tests and machines without TE run the whole FP8 parameter path with it), and the
+TransformerEngine codec in ``megatron_odc.fp8_params`` (megatron-core's ``fp8_utils`` underneath).
 
 [Note: FP8 amax reductions] Delayed scaling all-reduces amax over TP x DP at every ``fp8_autocast`` exit,
 i.e. per microbatch; ODC ranks run different numbers of microbatches, so that reduction deadlocks. ODC
 requires ``tp_only_amax_red=True`` with the delayed recipe, or a recipe without that per-step DP reduction
-(``tensorwise``, ``mxfp8``, ``blockwise``); ``check_fp8_recipe`` enforces it.
+(``tensorwise``, ``mxfp8``, ``blockwise``); ``check_fp8_recipe`` enforces it. FP8 *parameters* need a
+per-tensor recipe (``delayed`` or ``tensorwise``): the others keep no flat byte array to fetch.
 
-The core (scales, quantise / dequantise, amax reduction, the bookkeeper) is pure torch with a real stand-in
-quantiser, so CPU tests exercise it. TransformerEngine glue (``te_*`` functions) imports TE lazily and raises
-``ValueError`` naming the missing piece. This module imports no megatron module.
+This module imports no megatron module; TransformerEngine is only looked up (``transformer_engine_available``)
+or imported on request (``require_transformer_engine``), with a ``ValueError`` naming what to do.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import importlib.util
-import inspect
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map
+
+from megatron_odc.devices import all_reduce_on_group_device
 
 logger = logging.getLogger(__name__)
-
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 """Largest finite magnitude of each FP8 format (OCP FP8: E4M3FN and E5M2)."""
 
@@ -42,13 +49,16 @@ FP8_MIN_SUBNORMAL = {"e4m3": 2.0**-9, "e5m2": 2.0**-16}
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
 """Megatron ``--fp8-recipe`` values ODC knows; only ``delayed`` reduces amax over DP every microbatch."""
 
+FP8_PARAM_RECIPES = ("delayed", "tensorwise")
+"""Recipes whose FP8 parameters are per-tensor scaled flat bytes, which ODC can shard and fetch."""
+
 TE_INSTALL_HINT = (
     "install TransformerEngine (pip install --no-build-isolation transformer_engine[pytorch]) or run "
     "without it: --transformer-impl local and no --fp8-format / --fp8-param-gather"
 )
 
 
-# ---------------------------------------------------------------------- stand-in quantiser (real maths)
+# ---------------------------------------------------------------------- per-tensor FP8 maths
 
 
 def _torch_fp8_dtype(fmt: str) -> torch.dtype | None:
@@ -121,148 +131,209 @@ def quantization_error_bound(
     return x.float().abs() * rel + FP8_MIN_SUBNORMAL[fmt] / 2 / scale
 
 
-# ---------------------------------------------------------------------- owned-shard bookkeeping
+# ---------------------------------------------------------------------- the codec interface
 
 
-@dataclasses.dataclass(frozen=True)
-class FP8ParamShard:
-    """Where this rank's owned slice of one FP8 parameter lives.
+class Float8ParamCodec(Protocol):
+    """How the engine stores, fetches and re-quantises one kind of FP8 parameter tensor.
 
-    Attributes:
-        name: parameter name.
-        main_offset: element offset of the owned slice in this rank's fp32 main shard.
-        data_offset: byte offset of the owned slice in this rank's FP8 (uint8) param shard.
-        numel: owned elements (0 when this rank owns none of the parameter).
+    Every method gets the parameter objects themselves (the model's ``nn.Parameter``); ``data`` tensors are
+    raw FP8 bytes (``torch.uint8``), one byte per element.
     """
 
     name: str
-    main_offset: int
-    data_offset: int
-    numel: int
+    """Short name for messages, e.g. ``"TransformerEngine Float8Tensor"``."""
+
+    def is_fp8(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is an FP8 parameter of this kind."""
+
+    def check(self, param: torch.Tensor, name: str) -> None:
+        """Raise ``ValueError`` naming ``name`` if ODC cannot shard this FP8 parameter."""
+
+    def raw_data(self, param: torch.Tensor) -> torch.Tensor:
+        """The parameter's FP8 bytes (``param.numel()`` uint8 elements, the parameter's shape)."""
+
+    def bind(self, param: torch.Tensor, data: torch.Tensor) -> None:
+        """Copy the current bytes into ``data`` (flat uint8) and make ``param`` read them from there."""
+
+    def after_fetch(self, params: Sequence[torch.Tensor]) -> None:
+        """The bytes of ``params`` were just fetched (e.g. rebuild derived transposes)."""
+
+    def before_release(self, params: Sequence[torch.Tensor]) -> None:
+        """The bytes of ``params`` are about to be freed (drop caches derived from them)."""
+
+    def dequantize_bytes(self, param: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+        """fp32 values of some of ``param``'s bytes ``data`` (with the parameter's current scale)."""
+
+    def master_values(self, param: torch.Tensor, start: int, data: torch.Tensor) -> torch.Tensor:
+        """fp32 initial master values of elements ``[start, start + data.numel())``.
+
+        The high-precision initial values where the format kept them, else the dequantised ``data``.
+        """
+
+    def quantize_shards(
+        self,
+        params: Sequence[torch.Tensor],
+        mains: Sequence[torch.Tensor | None],
+        offsets: Sequence[int | None],
+        shards: Sequence[torch.Tensor | None],
+        group: dist.ProcessGroup | None,
+    ) -> None:
+        """Re-quantise every rank's owned slices (collective over ``group``; every DP rank passes the
+        same ``params`` in the same order).
+
+        ``mains[i]`` is this rank's fp32 master of elements ``[offsets[i], offsets[i] + n)`` of
+        ``params[i]`` and ``shards[i]`` the n owned bytes to write (all ``None`` where this rank owns
+        none of it). The amax of each parameter is reduced (MAX) over ``group``, so every rank sets the
+        same ``scale_inv`` on every parameter.
+        """
 
 
-class FP8ShardBookkeeper:
-    """Per-parameter FP8 scales of the owned shards over one DP group.
+# ---------------------------------------------------------------------- emulated FP8 weights
 
-    Every DP rank constructs it with the same parameter names in the same order (the amax vector is
-    reduced position by position).
 
-    Args:
-        params: this rank's owned slice of every FP8 parameter (``numel=0`` where it owns nothing).
-        fmt: FP8 format of the parameter data (``"e4m3"``; also for ``--fp8-format hybrid``).
-        margin: scale headroom in powers of two.
+class EmulatedFloat8Tensor(torch.Tensor):
+    """A per-tensor-scaled FP8 weight in pure torch: raw bytes ``_data`` (uint8) and ``_scale_inv``.
+
+    Any torch op sees the dequantised values in the logical ``dtype``, so it drops into any module as a
+    parameter (``torch.nn.Parameter(EmulatedFloat8Tensor.from_float(w), requires_grad=True)``) and its
+    gradient is an ordinary tensor. ``detach`` shares the bytes. It stands in for TransformerEngine's
+    ``Float8Tensor`` where TE is missing: the engine's FP8 path (sharded bytes, fetch, re-quantise with a
+    DP-wide amax) is the same for both.
     """
 
-    def __init__(
-        self, params: Sequence[FP8ParamShard], *, fmt: str = "e4m3", margin: int = 0
-    ) -> None:
-        _check_format(fmt)
-        names = [p.name for p in params]
-        if len(set(names)) != len(names):
-            raise ValueError(f"FP8 parameter names must be unique, got {names}")
-        for p in params:
-            if min(p.main_offset, p.data_offset, p.numel) < 0:
-                raise ValueError(
-                    f"FP8 parameter {p.name!r}: offsets and numel must be >= 0, got {p}"
-                )
-        self.params = list(params)
-        self.fmt = fmt
-        self.margin = margin
-        self._index = {p.name: i for i, p in enumerate(self.params)}
-        self.scale = torch.ones(len(self.params))
-        """Per-parameter scale, shared by every DP rank after ``requantize``."""
-        self.scale_inv = torch.ones(len(self.params))
-        """``1 / scale``: what dequantises fetched bytes."""
-
-    def local_amax(self, main_shard: torch.Tensor) -> torch.Tensor:
-        """Absolute max of each parameter's owned slice of ``main_shard`` (0 where nothing is owned)."""
-        amax = torch.zeros(len(self.params), dtype=torch.float32, device=main_shard.device)
-        for i, p in enumerate(self.params):
-            if p.numel:
-                self._check_range(p, main_shard.numel(), p.main_offset, "main shard")
-                amax[i] = main_shard[p.main_offset : p.main_offset + p.numel].abs().max().float()
-        return amax
-
-    def reduce_amax(self, amax: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-        """MAX-reduce the amax vector over ``group`` (one collective); in place, also returned."""
-        if not dist.is_initialized() or dist.get_world_size(group) == 1:
-            return amax
-        if amax.is_cuda and dist.get_backend(group) == "gloo":
-            # gloo's CUDA all_reduce support varies by build; the vector is tiny, reduce it on the host.
-            host = amax.cpu()
-            dist.all_reduce(host, op=dist.ReduceOp.MAX, group=group)
-            amax.copy_(host)
-        else:
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-        return amax
-
-    def requantize(
-        self,
-        main_shard: torch.Tensor,
-        fp8_shard: torch.Tensor,
-        group: dist.ProcessGroup | None,
-    ) -> torch.Tensor:
-        """After a step: new scales from the DP-wide amax, then quantise the owned slices into ``fp8_shard``.
-
-        Collective over ``group`` (call it at the fence, on every DP rank, including ranks that own no part
-        of some parameter).
-
-        Args:
-            main_shard: this rank's fp32 main-param shard.
-            fp8_shard: this rank's FP8 param shard (uint8) that peers fetch.
-            group: the DP process group.
-
-        Returns:
-            ``scale_inv`` per parameter (identical on every DP rank).
-        """
-        if fp8_shard.dtype != torch.uint8:
-            raise ValueError(
-                f"the FP8 param shard must be torch.uint8 bytes, got {fp8_shard.dtype}"
-            )
-        amax = self.reduce_amax(self.local_amax(main_shard), group).cpu()
-        self.scale = compute_scale(amax, self.fmt, self.margin)
-        self.scale_inv = 1.0 / self.scale
-        for i, p in enumerate(self.params):
-            if not p.numel:
-                continue
-            self._check_range(p, fp8_shard.numel(), p.data_offset, "FP8 shard")
-            src = main_shard[p.main_offset : p.main_offset + p.numel]
-            fp8_shard[p.data_offset : p.data_offset + p.numel] = quantize(
-                src, float(self.scale[i]), self.fmt
-            )
-        return self.scale_inv
-
-    def dequantize_param(self, name: str, data: torch.Tensor) -> torch.Tensor:
-        """Dequantise fetched FP8 bytes of parameter ``name`` with the shared ``scale_inv``."""
-        try:
-            i = self._index[name]
-        except KeyError:
-            raise ValueError(f"{name!r} is not an FP8 parameter of this bookkeeper") from None
-        return dequantize(data, float(self.scale_inv[i]), self.fmt)
+    _data: torch.Tensor
+    _scale_inv: torch.Tensor
+    fmt: str
 
     @staticmethod
-    def _check_range(p: FP8ParamShard, size: int, offset: int, what: str) -> None:
-        if offset + p.numel > size:
-            raise ValueError(
-                f"FP8 parameter {p.name!r}: owned range [{offset}, {offset + p.numel}) exceeds the "
-                f"{what} of {size} elements"
-            )
+    def __new__(
+        cls,
+        data: torch.Tensor,
+        scale_inv: torch.Tensor,
+        dtype: torch.dtype,
+        fmt: str = "e4m3",
+        requires_grad: bool = False,
+    ) -> EmulatedFloat8Tensor:
+        _check_format(fmt)
+        if data.dtype != torch.uint8:
+            raise ValueError(f"FP8 data must be raw bytes (torch.uint8), got {data.dtype}")
+        tensor = torch.Tensor._make_wrapper_subclass(
+            cls, data.shape, dtype=dtype, device=data.device, requires_grad=requires_grad
+        )
+        tensor._data = data
+        tensor._scale_inv = scale_inv
+        tensor.fmt = fmt
+        return tensor
+
+    @classmethod
+    def from_float(
+        cls, values: torch.Tensor, fmt: str = "e4m3", dtype: torch.dtype | None = None
+    ) -> EmulatedFloat8Tensor:
+        """Quantise ``values`` with the scale of its own amax; the logical dtype defaults to its dtype."""
+        dtype = dtype or values.dtype
+        x = values.detach().to(dtype)
+        scale = compute_scale(x.abs().max().reshape(1), fmt).to(x.device)
+        return cls(quantize(x, scale, fmt), 1.0 / scale, dtype, fmt)
+
+    def dequantize(self) -> torch.Tensor:
+        """The values this weight stands for, in its logical dtype."""
+        return dequantize(self._data, self._scale_inv, self.fmt).to(self.dtype)
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        return (
+            f"EmulatedFloat8Tensor(fmt={self.fmt}, shape={tuple(self.shape)}, dtype={self.dtype})"
+        )
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.detach.default:
+            (src,) = args
+            return cls(src._data, src._scale_inv, src.dtype, src.fmt)
+
+        def unwrap(x: Any) -> Any:
+            return x.dequantize() if isinstance(x, EmulatedFloat8Tensor) else x
+
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
 
 
-def select_fp8_params(
-    named_params: Iterable[tuple[str, torch.Tensor]],
-    is_fp8: Callable[[torch.Tensor], bool] | None = None,
-) -> list[str]:
-    """Names of the FP8 parameters, in order.
+class EmulatedFloat8Codec:
+    """``Float8ParamCodec`` of ``EmulatedFloat8Tensor``: TE's current-scaling rule in pure torch.
 
-    Args:
-        named_params: ``(name, parameter)`` pairs.
-        is_fp8: predicate; default TransformerEngine's ``is_float8tensor`` (or, without TE, nothing is
-            FP8: FP8 parameters only exist under TE).
+    ``quantize_shards`` casts each master slice to the parameter's logical dtype first (as TE does), takes
+    the per-parameter amax, MAX-reduces it over the DP group in one all-reduce, and quantises the owned
+    slices with ``scale = fp8_max / amax``.
     """
-    if is_fp8 is None:
-        is_fp8 = _te_is_float8tensor()
-    return [name for name, p in named_params if is_fp8(p)]
+
+    name = "EmulatedFloat8Tensor"
+
+    def is_fp8(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is an ``EmulatedFloat8Tensor``."""
+        return isinstance(param, EmulatedFloat8Tensor)
+
+    def check(self, param: torch.Tensor, name: str) -> None:
+        """Every emulated FP8 tensor is per-tensor scaled flat bytes: nothing to refuse."""
+        if param._data.numel() != param.numel():
+            raise ValueError(f"FP8 parameter {name!r}: its bytes do not cover its elements")
+
+    def raw_data(self, param: torch.Tensor) -> torch.Tensor:
+        """The ``_data`` bytes."""
+        return param._data
+
+    def bind(self, param: torch.Tensor, data: torch.Tensor) -> None:
+        """Copy the bytes into ``data`` and read them from there."""
+        data.copy_(param._data.reshape(-1))
+        param._data = data.view(param.shape)
+
+    def after_fetch(self, params: Sequence[torch.Tensor]) -> None:
+        """Nothing is derived from the bytes."""
+
+    def before_release(self, params: Sequence[torch.Tensor]) -> None:
+        """Nothing is derived from the bytes."""
+
+    def dequantize_bytes(self, param: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+        """``data`` times the parameter's ``scale_inv``."""
+        return dequantize(data, param._scale_inv, param.fmt)
+
+    def master_values(self, param: torch.Tensor, start: int, data: torch.Tensor) -> torch.Tensor:
+        """The dequantised bytes (no high-precision copy is kept)."""
+        return self.dequantize_bytes(param, data)
+
+    def quantize_shards(
+        self,
+        params: Sequence[torch.Tensor],
+        mains: Sequence[torch.Tensor | None],
+        offsets: Sequence[int | None],
+        shards: Sequence[torch.Tensor | None],
+        group: dist.ProcessGroup | None,
+    ) -> None:
+        """See ``Float8ParamCodec.quantize_shards``."""
+        if not len(params) == len(mains) == len(offsets) == len(shards):
+            raise ValueError(
+                f"quantize_shards: {len(params)} params, {len(mains)} main slices, {len(offsets)} "
+                f"offsets and {len(shards)} shards"
+            )
+        if not params:
+            return
+        device = params[0]._data.device
+        amax = torch.zeros(len(params), dtype=torch.float32, device=device)
+        cast = []
+        for i, (param, main) in enumerate(zip(params, mains)):
+            x = main.to(device=device, dtype=param.dtype) if main is not None else None
+            cast.append(x)
+            if x is not None and x.numel():
+                amax[i] = x.abs().max().float()
+        all_reduce_on_group_device(amax, dist.ReduceOp.MAX, group)
+        for i, (param, x, shard) in enumerate(zip(params, cast, shards)):
+            scale = compute_scale(amax[i : i + 1], param.fmt)
+            param._scale_inv.copy_(1.0 / scale)
+            if x is not None:
+                if shard is None or shard.numel() != x.numel():
+                    raise ValueError(
+                        f"quantize_shards: parameter {i} has {x.numel()} owned master elements but "
+                        f"{None if shard is None else shard.numel()} shard bytes"
+                    )
+                shard.copy_(quantize(x, scale, param.fmt).view(-1))
 
 
 # ---------------------------------------------------------------------- config checks
@@ -275,9 +346,12 @@ def check_fp8_recipe(config: Any) -> None:
     object with those attributes). See [Note: FP8 amax reductions].
 
     Raises:
-        ValueError: the delayed recipe without ``tp_only_amax_red``, or a recipe ODC does not know.
+        ValueError: the delayed recipe without ``tp_only_amax_red``, a recipe ODC does not know, or FP8
+            parameters (``fp8_param``) with a recipe that is not per-tensor scaled.
     """
     if not getattr(config, "fp8", None):
+        if getattr(config, "fp8_param", False):
+            raise ValueError("--fp8-param-gather needs --fp8-format (e4m3 or hybrid)")
         return
     recipe = getattr(config, "fp8_recipe", "delayed")
     recipe = getattr(recipe, "value", recipe)  # Megatron's Fp8Recipe enum or a plain string
@@ -291,6 +365,12 @@ def check_fp8_recipe(config: Any) -> None:
             "--fp8-recipe delayed all-reduces amax over TP x DP at every microbatch, which deadlocks "
             "--dp-backend odc ranks that run different numbers of microbatches; add --tp-only-amax-red "
             "(ODC reduces amax over DP once per step) or use --fp8-recipe tensorwise"
+        )
+    if getattr(config, "fp8_param", False) and recipe not in FP8_PARAM_RECIPES:
+        raise ValueError(
+            f"--fp8-param-gather with --fp8-recipe {recipe}: --dp-backend odc shards and fetches FP8 "
+            f"parameters of a per-tensor recipe ({', '.join(FP8_PARAM_RECIPES)}) only; drop "
+            "--fp8-param-gather (bf16 parameters, FP8 compute) or use --fp8-recipe tensorwise"
         )
 
 
@@ -336,104 +416,3 @@ def check_te_request(
         wanted.append("--fp8-param-gather")
     if wanted:
         require_transformer_engine(" and ".join(wanted))
-
-
-# ---------------------------------------------------------------------- TransformerEngine glue (lazy)
-
-
-def _te_is_float8tensor() -> Callable[[torch.Tensor], bool]:
-    if not transformer_engine_available():
-        return lambda tensor: False
-    try:
-        from transformer_engine.pytorch.tensor import QuantizedTensor
-    except ImportError:
-        from transformer_engine.pytorch.float8_tensor import Float8Tensor as QuantizedTensor
-    return lambda tensor: isinstance(tensor, QuantizedTensor)
-
-
-def te_fp8_parts(param: torch.Tensor, name: str = "") -> tuple[torch.Tensor, torch.Tensor]:
-    """The raw FP8 bytes (``_data``, uint8) and ``_scale_inv`` of a TE ``Float8Tensor`` parameter.
-
-    Raises:
-        ValueError: TE is missing, or ``param`` is not a per-tensor-scaled Float8Tensor (MXFP8 and
-            blockwise tensors have no flat ``_data``: fetch bf16 and quantise locally for those).
-    """
-    require_transformer_engine(f"FP8 parameter {name!r}")
-    data = getattr(param, "_data", None)
-    scale_inv = getattr(param, "_scale_inv", None)
-    if not isinstance(data, torch.Tensor) or not isinstance(scale_inv, torch.Tensor):
-        raise ValueError(
-            f"parameter {name!r} ({type(param).__name__}) is not a per-tensor-scaled TE Float8Tensor "
-            "with _data and _scale_inv; ODC fetches FP8 bytes only for those"
-        )
-    return data, scale_inv
-
-
-def te_bind_fetched_data(param: torch.Tensor, data_view: torch.Tensor, name: str = "") -> None:
-    """Point a ``Float8Tensor``'s ``_data`` at its bytes inside the fetched (unsharded) bucket."""
-    data, _ = te_fp8_parts(param, name)
-    if data_view.dtype != torch.uint8 or data_view.numel() != data.numel():
-        raise ValueError(
-            f"parameter {name!r}: the fetched view has {data_view.numel()} elements of "
-            f"{data_view.dtype}, the FP8 data needs {data.numel()} of torch.uint8"
-        )
-    param._data = data_view.view(data.shape)
-
-
-def te_post_all_gather_processing(params: Sequence[torch.Tensor]) -> None:
-    """Call TE's ``post_all_gather_processing`` after a fetch (transposes / columnwise data).
-
-    On a TE without it this is a no-op: TE then builds the transposes in the next forward (what
-    megatron-core does as well).
-    """
-    require_transformer_engine("post_all_gather_processing")
-    try:
-        from transformer_engine.pytorch.tensor.utils import post_all_gather_processing
-    except ImportError:
-        logger.debug("this TransformerEngine has no post_all_gather_processing; skipped")
-        return
-    post_all_gather_processing(list(params))
-
-
-def te_quantize_param_shard(
-    model_params: Sequence[torch.Tensor],
-    main_params: Sequence[torch.Tensor | None],
-    start_offsets: Sequence[int | None],
-    dp_group: dist.ProcessGroup | None,
-    fsdp_shard_model_params: Sequence[torch.Tensor | None] | None = None,
-) -> None:
-    """TE's re-quantisation of owned shards (it all-reduces amax over ``dp_group``: call at the fence).
-
-    Uses ``cast_master_weights_to_fp8`` (TE >= 2.2) with ``manual_post_all_gather_processing=True`` where
-    the installed TE accepts it, since ODC calls ``te_post_all_gather_processing`` after each fetch.
-
-    Raises:
-        ValueError: TE is missing or too old to re-quantise shards, or the argument lists differ in length.
-    """
-    if not len(model_params) == len(main_params) == len(start_offsets):
-        raise ValueError(
-            f"te_quantize_param_shard: {len(model_params)} params, {len(main_params)} main shards and "
-            f"{len(start_offsets)} offsets"
-        )
-    require_transformer_engine("re-quantising FP8 parameter shards")
-    try:
-        from transformer_engine.pytorch.tensor.utils import cast_master_weights_to_fp8
-    except ImportError as exc:
-        raise ValueError(
-            "re-quantising FP8 parameter shards needs TransformerEngine >= 2.2 "
-            f"(cast_master_weights_to_fp8): {exc}"
-        ) from exc
-    kwargs: dict[str, Any] = {}
-    accepted = inspect.signature(cast_master_weights_to_fp8).parameters
-    if fsdp_shard_model_params is not None:
-        if "fsdp_shard_model_weights" not in accepted:
-            raise ValueError(
-                "FP8 shard re-quantisation into ODC's shards needs TransformerEngine >= 2.3 "
-                "(cast_master_weights_to_fp8(fsdp_shard_model_weights=...))"
-            )
-        kwargs["fsdp_shard_model_weights"] = list(fsdp_shard_model_params)
-    if "manual_post_all_gather_processing" in accepted:
-        kwargs["manual_post_all_gather_processing"] = True
-    cast_master_weights_to_fp8(
-        list(model_params), list(main_params), list(start_offsets), dp_group, **kwargs
-    )

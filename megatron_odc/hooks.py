@@ -7,9 +7,9 @@
   the microbatch and its tokens;
 - a forward post-hook on the root: arm the root pre-backward hook on the outputs, which queues the end of
   backward callback (push leftovers, release all); without grad, release everything at once;
-- per unit module (e.g. each transformer layer): a forward pre-hook (fetch, prefetch the next unit), a
-  forward post-hook (release, and arm a pre-backward hook on the outputs that fetches again and prefetches
-  the previous unit);
+- per unit module (e.g. each transformer layer): a forward pre-hook (fetch, then start the prefetch of the
+  next unit, which overlaps this unit's compute on a GPU), a forward post-hook (release, and arm a
+  pre-backward hook on the outputs that fetches again and starts the prefetch of the previous unit);
 - per parameter: a post-accumulate-grad hook that hands the gradient to the engine, which pushes the unit
   once all of its gradients are in and then releases it.
 
@@ -108,7 +108,7 @@ class ODCHooks:
         self._in_backward = True
         torch.autograd.Variable._execution_engine.queue_callback(self._post_backward)
         if self.prefetch and self._order:
-            self.engine.fetch(self._order[-1])
+            self.engine.start_fetch(self._order[-1])
 
     def _post_backward(self) -> None:
         self._in_backward = False
@@ -126,7 +126,7 @@ class ODCHooks:
                 and torch.is_grad_enabled()
                 and nxt < len(self._order)
             ):
-                self.engine.fetch(self._order[nxt])
+                self.engine.start_fetch(self._order[nxt])
 
         return hook
 
@@ -148,7 +148,7 @@ class ODCHooks:
             self.engine.begin_backward(unit)
             prev = self._index[unit] - 1
             if self.prefetch and prev >= 0:
-                self.engine.fetch(self._order[prev])
+                self.engine.start_fetch(self._order[prev])
 
         return hook
 

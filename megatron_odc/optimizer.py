@@ -8,9 +8,11 @@ decay and lr multipliers, what ``OptimizerParamScheduler`` reads) apply per para
 
 ``step()`` = unscale and check for inf/nan (fp16; every rank agrees through one all-reduce), global grad
 norm over the owned pieces summed over DP and TP without double-counting TP-duplicated or shared params,
-clipping, the inner step, then writing the compute-dtype shard that peers fetch next minibatch. It returns
+clipping, the inner step, then writing the compute-dtype shard that peers fetch next minibatch (FP8
+parameters: the engine's codec re-quantises the owned bytes, with one DP-wide amax reduction). It returns
 ``(success, grad_norm, num_zeros)`` like ``MegatronOptimizer.step``. Gradients are read where the owners
-accumulated them; nothing is copied per parameter.
+accumulated them; nothing is copied per parameter. Everything lives on the engines' device; the scalar
+reductions run on the process group's device.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradS
 from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.tensor_parallel import copy_tensor_model_parallel_attributes
 
+from megatron_odc.devices import all_reduce_on_group_device
 from megatron_odc.engine import ODCEngine
 
 logger = logging.getLogger(__name__)
@@ -90,25 +93,34 @@ class OdcOptimizer(MegatronOptimizer):
             params = dict(engine.parameters())
             mains = []
             for bucket in engine.layout.buckets:
-                main = engine.param_shard(bucket.index).detach().to(torch.float32).clone()
-                mains.append(main)
-                grad_shard = engine.grad_shard(bucket.index)
-                shard_start, _ = bucket.shard_range(engine.dp_rank)
-                for slot, start, end in bucket.owned_pieces(engine.dp_rank):
-                    model_param = params[slot.name]
-                    if not model_param.requires_grad:
-                        continue
-                    lo = slot.bucket_offset + start - shard_start
-                    hi = lo + end - start
-                    piece = torch.nn.Parameter(main[lo:hi])
-                    piece.grad = grad_shard[lo:hi]
-                    copy_tensor_model_parallel_attributes(piece, model_param)
-                    if getattr(model_param, "shared", False):
-                        piece.shared = True
-                    piece.odc_name = slot.name
-                    piece.odc_counted_in_norm = _param_is_counted_in_norm(model_param, self.tp_rank)
-                    pieces_by_group[group_of_param[id(model_param)]].append(piece)
-                    self._pieces.append((piece, engine, bucket.index, lo, hi))
+                shard = engine.param_shard(bucket.index)
+                if bucket.dtype == torch.uint8:  # FP8 bytes: the master starts from their values
+                    mains.append(
+                        torch.zeros(shard.numel(), dtype=torch.float32, device=shard.device)
+                    )
+                else:
+                    mains.append(shard.detach().to(torch.float32).clone())
+            for owned in engine.owned_pieces():
+                model_param = params[owned.name]
+                main = mains[owned.bucket_index]
+                lo, hi = owned.shard_lo, owned.shard_hi
+                if owned.name in engine.fp8_names:
+                    main[lo:hi] = engine.fp8_codec.master_values(
+                        model_param,
+                        owned.param_start,
+                        engine.param_shard(owned.bucket_index)[lo:hi],
+                    )
+                if not model_param.requires_grad:
+                    continue
+                piece = torch.nn.Parameter(main[lo:hi])
+                piece.grad = engine.grad_shard(owned.bucket_index)[lo:hi]
+                copy_tensor_model_parallel_attributes(piece, model_param)
+                if getattr(model_param, "shared", False):
+                    piece.shared = True
+                piece.odc_name = owned.name
+                piece.odc_counted_in_norm = _param_is_counted_in_norm(model_param, self.tp_rank)
+                pieces_by_group[group_of_param[id(model_param)]].append(piece)
+                self._pieces.append((piece, engine, owned.bucket_index, lo, hi))
             self._main_shards.append(mains)
 
         inner_groups = []
@@ -151,7 +163,8 @@ class OdcOptimizer(MegatronOptimizer):
             self.grad_scaler = ConstantGradScaler(config.loss_scale)
         else:
             self.grad_scaler = None
-        self._scale_one = torch.ones(1, dtype=torch.float32)
+        self.device = self.engines[0].device if self.engines else torch.device("cpu")
+        self._scale_one = torch.ones(1, dtype=torch.float32, device=self.device)
 
     @property
     def owned_pieces(self) -> list[tuple[torch.nn.Parameter, ODCEngine, int, int, int]]:
@@ -170,22 +183,17 @@ class OdcOptimizer(MegatronOptimizer):
     def _owned_grads(self) -> list[torch.Tensor]:
         return [piece.grad for piece, *_ in self._pieces]
 
-    def _grad_stats_world(self) -> int:
-        return dist.get_world_size(self.grad_stats_parallel_group) if dist.is_initialized() else 1
-
     @torch.no_grad()
     def prepare_grads(self) -> bool:
         """Unscale the owned gradients (fp16); return whether any rank found inf/nan."""
         if self.grad_scaler is None:
             return False
-        found_inf = torch.zeros(1, dtype=torch.float32)
-        inv_scale = self.grad_scaler.inv_scale.to(torch.float32)
+        found_inf = torch.zeros(1, dtype=torch.float32, device=self.device)
+        inv_scale = self.grad_scaler.inv_scale.to(device=self.device, dtype=torch.float32)
         for grad in self._owned_grads():
             grad.mul_(inv_scale)
-            if not bool(torch.isfinite(grad).all()):
-                found_inf.fill_(1.0)
-        if self._grad_stats_world() > 1:
-            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.grad_stats_parallel_group)
+            found_inf = torch.maximum(found_inf, (~torch.isfinite(grad)).any().float())
+        all_reduce_on_group_device(found_inf, dist.ReduceOp.MAX, self.grad_stats_parallel_group)
         found = bool(found_inf.item() > 0)
         self.grad_scaler.update(found)
         if found:
@@ -195,12 +203,11 @@ class OdcOptimizer(MegatronOptimizer):
     @torch.no_grad()
     def get_grad_norm(self) -> float:
         """L2 norm of the whole model's gradient (each element once, over DP and TP)."""
-        total = torch.zeros(1, dtype=torch.float64)
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
         for piece, *_ in self._pieces:
             if piece.odc_counted_in_norm:
                 total += piece.grad.double().pow(2).sum()
-        if self._grad_stats_world() > 1:
-            dist.all_reduce(total, group=self.grad_stats_parallel_group)
+        all_reduce_on_group_device(total, group=self.grad_stats_parallel_group)
         return float(total.sqrt())
 
     @torch.no_grad()
@@ -216,12 +223,11 @@ class OdcOptimizer(MegatronOptimizer):
     @torch.no_grad()
     def count_zeros(self) -> float:
         """Number of zero gradient elements over the whole model."""
-        total = torch.zeros(1, dtype=torch.float64)
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
         for piece, *_ in self._pieces:
             if piece.odc_counted_in_norm:
                 total += (piece.grad == 0).sum()
-        if self._grad_stats_world() > 1:
-            dist.all_reduce(total, group=self.grad_stats_parallel_group)
+        all_reduce_on_group_device(total, group=self.grad_stats_parallel_group)
         return float(total)
 
     @torch.no_grad()
@@ -255,12 +261,28 @@ class OdcOptimizer(MegatronOptimizer):
     def _copy_main_params_to_model_params(self) -> None:
         for engine, mains in zip(self.engines, self._main_shards):
             for bucket, main in zip(engine.layout.buckets, mains):
-                engine.param_shard(bucket.index).copy_(main)
+                if bucket.dtype != torch.uint8:
+                    engine.param_shard(bucket.index).copy_(main)
+            if engine.fp8_names:  # re-quantise the owned FP8 bytes (collective over DP)
+                fp8 = engine.fp8_names
+                engine.write_owned(
+                    lambda p, mains=mains, fp8=fp8: (
+                        mains[p.bucket_index][p.shard_lo : p.shard_hi] if p.name in fp8 else None
+                    )
+                )
 
     def _copy_model_params_to_main_params(self, state_dict=None) -> None:
         for engine, mains in zip(self.engines, self._main_shards):
             for bucket, main in zip(engine.layout.buckets, mains):
-                main.copy_(engine.param_shard(bucket.index))
+                if bucket.dtype != torch.uint8:
+                    main.copy_(engine.param_shard(bucket.index))
+            params = dict(engine.parameters())
+            for piece in engine.owned_pieces():
+                if piece.name in engine.fp8_names:
+                    lo, hi = piece.shard_lo, piece.shard_hi
+                    mains[piece.bucket_index][lo:hi] = engine.fp8_codec.dequantize_bytes(
+                        params[piece.name], engine.param_shard(piece.bucket_index)[lo:hi]
+                    )
 
     def reload_model_params(self, state_dict=None) -> None:
         """Refresh the fp32 main shards from the model's (compute-dtype) shards, e.g. after a load."""

@@ -18,6 +18,8 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
+from megatron_odc.devices import collective_device
+
 
 def train_step(
     model: torch.nn.Module,
@@ -63,7 +65,8 @@ def train_step(
     else:
         losses = []
         finalize = config.finalize_model_grads_func or finalize_model_grads
-        finalize([model], torch.zeros([], dtype=torch.int))
+        # megatron-core all-reduces the token count over DP: on the group's device (CUDA for NCCL).
+        finalize([model], torch.zeros([], dtype=torch.int, device=collective_device()))
     update_successful, grad_norm, num_zeros = optimizer.step()
     return {
         "losses": losses,

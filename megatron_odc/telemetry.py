@@ -17,6 +17,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from megatron_odc.devices import collective_device
+
 #: Counters summed within a minibatch, in the order they are reduced across ranks.
 COUNTER_KEYS = (
     "wall_s",
@@ -96,12 +98,16 @@ class Telemetry:
 
 def reduce_across(snapshot: dict[str, float], group: dist.ProcessGroup | None) -> dict[str, float]:
     """Max and mean of every counter over the ranks of ``group`` (one all-gather; call after the step)."""
-    values = torch.tensor([float(snapshot[k]) for k in COUNTER_KEYS], dtype=torch.float64)
+    values = torch.tensor(
+        [float(snapshot[k]) for k in COUNTER_KEYS],
+        dtype=torch.float64,
+        device=collective_device(group),
+    )
     world_size = dist.get_world_size(group) if dist.is_initialized() else 1
     if world_size > 1:
         gathered = [torch.empty_like(values) for _ in range(world_size)]
         dist.all_gather(gathered, values, group=group)
-        table = torch.stack(gathered)
+        table = torch.stack(gathered).cpu()
     else:
         table = values.unsqueeze(0)
     out: dict[str, float] = {"minibatch": snapshot["minibatch"], "num_ranks": world_size}

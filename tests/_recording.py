@@ -28,7 +28,7 @@ class RecordingTransport(Transport):
 
     def _register(self, spec: BufferSpec) -> torch.Tensor:
         self.calls.append(("register", spec.name, None, 0, spec.numel))
-        return self.inner.register(spec.name, spec.numel, spec.dtype)
+        return self.inner.register(spec.name, spec.numel, spec.dtype, accumulate=spec.accumulate)
 
     def _get(self, spec: BufferSpec, peer: int, offset: int, out: torch.Tensor) -> None:
         self.calls.append(("get", spec.name, peer, offset, out.numel()))
@@ -52,3 +52,34 @@ class RecordingTransport(Transport):
     def ops(self) -> list[str]:
         """The op names, in call order."""
         return [c[0] for c in self.calls]
+
+
+class RecordingStreams:
+    """A ``StreamOps`` that runs everything at once and appends what it was asked to ``log``.
+
+    Entries: ``("launch", stream, label)`` (before the work runs, so the transport calls the work makes
+    follow it), ``("record", stream, event)``, ``("wait", stream, event)``, ``("host_wait", event)``.
+    Streams are their names, events increasing ints.
+    """
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+        self._next_event = 0
+
+    def stream(self, name: str) -> str:
+        return name
+
+    def launch(self, stream: str, label: str, fn, cost_s: float) -> None:
+        self.log.append(("launch", stream, label))
+        fn()
+
+    def record(self, stream: str) -> int:
+        self._next_event += 1
+        self.log.append(("record", stream, self._next_event))
+        return self._next_event
+
+    def wait(self, stream: str, event: int) -> None:
+        self.log.append(("wait", stream, event))
+
+    def host_wait(self, event: int) -> None:
+        self.log.append(("host_wait", event))

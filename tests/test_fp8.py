@@ -1,6 +1,7 @@
-"""FP8 bookkeeping with the stand-in quantiser: rounding against an enumerated E4M3 grid, round-trip
-bounds, DP-wide amax (equal scales on every rank, one all_reduce), re-quantisation after a step,
-the ``tp_only_amax_red`` rule, and the TransformerEngine-missing errors.
+"""FP8 maths and the emulated FP8 parameter path: rounding against an enumerated E4M3 grid, round-trip
+bounds, ``EmulatedFloat8Tensor`` as a module parameter (values, gradients, shared bytes), the codec's
+re-quantisation of owned shards with a DP-wide amax (equal scales on every rank, one all_reduce, bytes
+equal to quantising the whole parameter), the recipe rules, and the TransformerEngine-missing errors.
 """
 
 from __future__ import annotations
@@ -14,15 +15,14 @@ import torch.distributed as dist
 
 from megatron_odc import fp8
 from megatron_odc.fp8 import (
-    FP8ParamShard,
-    FP8ShardBookkeeper,
+    EmulatedFloat8Codec,
+    EmulatedFloat8Tensor,
     check_fp8_recipe,
     check_te_request,
     compute_scale,
     dequantize,
     quantization_error_bound,
     quantize,
-    select_fp8_params,
 )
 from tests._dist import run_ranks
 
@@ -84,18 +84,49 @@ def test_format_and_dtype_errors() -> None:
         quantize(torch.ones(2), 1.0, "e3m4")
     with pytest.raises(ValueError, match=r"torch\.uint8"):
         dequantize(torch.ones(2), 1.0)
-    with pytest.raises(ValueError, match="unique"):
-        FP8ShardBookkeeper([FP8ParamShard("w", 0, 0, 1), FP8ParamShard("w", 1, 1, 1)])
-    book = FP8ShardBookkeeper([FP8ParamShard("w", 0, 0, 8)])
-    with pytest.raises(ValueError, match=r"'w'.*exceeds the main shard of 4"):
-        book.requantize(torch.ones(4), torch.zeros(8, dtype=torch.uint8), None)
     with pytest.raises(ValueError, match=r"torch\.uint8"):
-        book.requantize(torch.ones(8), torch.zeros(8), None)
-    with pytest.raises(ValueError, match="'v' is not an FP8 parameter"):
-        book.dequantize_param("v", torch.zeros(2, dtype=torch.uint8))
+        EmulatedFloat8Tensor(torch.zeros(2), torch.ones(1), torch.float32)
+    codec = EmulatedFloat8Codec()
+    w = EmulatedFloat8Tensor.from_float(torch.ones(4))
+    with pytest.raises(ValueError, match="1 params, 2 main slices"):
+        codec.quantize_shards([w], [None, None], [None], [None], None)
+    with pytest.raises(ValueError, match="4 owned master elements but 3 shard bytes"):
+        codec.quantize_shards([w], [torch.ones(4)], [0], [torch.zeros(3, dtype=torch.uint8)], None)
 
 
-# ---------------------------------------------------------------------- multi-rank bookkeeping
+# ---------------------------------------------------------------------- the emulated FP8 weight
+
+
+def test_emulated_float8_weight_in_a_module() -> None:
+    gen = torch.Generator().manual_seed(3)
+    full = torch.randn(5, 7, generator=gen) * 0.1
+    weight = EmulatedFloat8Tensor.from_float(full)
+    values = weight.dequantize()
+    scale = compute_scale(full.abs().max())
+    assert torch.equal(weight._data, quantize(full, scale))  # the bytes of the whole tensor's scale
+    assert bool(((values - full).abs() <= quantization_error_bound(full, scale) * 1.000001).all())
+    assert not torch.equal(values, full)
+
+    linear = torch.nn.Linear(7, 5, bias=False)
+    linear.weight = torch.nn.Parameter(weight, requires_grad=True)
+    assert isinstance(linear.weight, EmulatedFloat8Tensor)
+    assert isinstance(linear.weight, torch.nn.Parameter)
+    x = torch.randn(3, 7, generator=gen)
+    seen = []
+    linear.weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    out = linear(x)
+    torch.testing.assert_close(out, x @ values.t(), rtol=0, atol=0)  # ops see the FP8 values
+    out.square().sum().backward()
+    expected = (2 * (x @ values.t())).t() @ x
+    torch.testing.assert_close(seen[0], expected, rtol=1e-6, atol=1e-6)
+    assert type(seen[0]) is torch.Tensor  # the gradient is an ordinary tensor
+    # detach shares the bytes: rewriting them changes what every alias reads.
+    alias = linear.weight.detach()
+    linear.weight._data.zero_()
+    assert float(alias.dequantize().abs().sum()) == 0.0
+
+
+# ---------------------------------------------------------------------- DP-wide re-quantisation
 
 PARAM_NUMELS = {"a": 37, "b": 20, "c": 9}  # "c" is owned by rank 0 only: rank 1 contributes nothing
 
@@ -120,14 +151,10 @@ def _owned_ranges(world_size: int) -> dict[int, dict[str, tuple[int, int]]]:
     return ranges
 
 
-def _run_bookkeeping(rank: int, world_size: int) -> dict:
+def _run_requantize(rank: int, world_size: int) -> dict:
     mine = _owned_ranges(world_size)[rank]
-    shards, offset = [], 0
-    for name in PARAM_NUMELS:
-        lo, hi = mine.get(name, (0, 0))
-        shards.append(FP8ParamShard(name, offset, offset, hi - lo))
-        offset += hi - lo
-    book = FP8ShardBookkeeper(shards)
+    codec = EmulatedFloat8Codec()
+    params = [EmulatedFloat8Tensor.from_float(torch.zeros(n)) for n in PARAM_NUMELS.values()]
     calls = []
     real_all_reduce = dist.all_reduce
 
@@ -136,59 +163,45 @@ def _run_bookkeeping(rank: int, world_size: int) -> dict:
         return real_all_reduce(*args, **kwargs)
 
     dist.all_reduce = counting_all_reduce
-    out = {"scale_inv": [], "fetched": [], "calls": []}
+    out = {"scale_inv": [], "bytes": [], "calls": []}
     try:
         for step in range(2):  # step 1 = after an optimizer step changed the masters
             full = _full_params(step)
-            main = torch.cat([full[n][slice(*mine.get(n, (0, 0)))] for n in PARAM_NUMELS])
-            fp8_shard = torch.zeros(offset, dtype=torch.uint8)
+            mains, offsets, shards = [], [], []
+            for name in PARAM_NUMELS:
+                lo, hi = mine.get(name, (None, None))
+                mains.append(None if lo is None else full[name][lo:hi])
+                offsets.append(lo)
+                shards.append(None if lo is None else torch.zeros(hi - lo, dtype=torch.uint8))
             calls.clear()
-            scale_inv = book.requantize(main, fp8_shard, None)
+            codec.quantize_shards(params, mains, offsets, shards, None)
             out["calls"].append(list(calls))
-            out["scale_inv"].append(scale_inv.clone())
-            # Fetch: every rank's shard bytes (an all-gather stands in for the one-sided gets).
-            sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
-            dist.all_gather(sizes, torch.tensor([offset]))
-            padded = torch.zeros(int(max(s.item() for s in sizes)), dtype=torch.uint8)
-            padded[:offset] = fp8_shard
-            gathered = [torch.zeros_like(padded) for _ in range(world_size)]
-            dist.all_gather(gathered, padded)
-            out["fetched"].append(gathered)
+            out["scale_inv"].append(torch.cat([p._scale_inv for p in params]).clone())
+            out["bytes"].append({n: s for n, s in zip(PARAM_NUMELS, shards) if s is not None})
     finally:
         dist.all_reduce = real_all_reduce
     return out
 
 
-def test_dp_amax_gives_every_rank_the_same_scales_and_faithful_fetches() -> None:
+def test_dp_amax_gives_every_rank_the_same_scales_and_the_whole_tensors_bytes() -> None:
     world_size = 2
-    results = run_ranks(_run_bookkeeping, world_size, timeout_s=90)
+    results = run_ranks(_run_requantize, world_size, timeout_s=90)
     ranges = _owned_ranges(world_size)
     for step in range(2):
         full = _full_params(step)
-        # Oracle: scale from the global amax of each full parameter.
-        expected_scale_inv = 1 / compute_scale(torch.stack([full[n].abs().max() for n in full]))
+        # Oracle: one process quantising each whole parameter with the scale of its own amax.
+        scales = {n: compute_scale(full[n].abs().max().reshape(1)) for n in full}
+        expected_scale_inv = torch.cat([1 / scales[n] for n in full])
         for rank in range(world_size):
             torch.testing.assert_close(
                 results[rank]["scale_inv"][step], expected_scale_inv, rtol=0, atol=0
             )
             assert results[rank]["calls"][step] == [dist.ReduceOp.MAX], "one MAX all_reduce"
-        # Reassemble each parameter from the fetched bytes of its owners and dequantise.
-        gathered = results[0]["fetched"][step]
-        for i, name in enumerate(PARAM_NUMELS):
-            pieces = []
-            for r in range(world_size):
-                if name not in ranges[r]:
-                    continue
-                lo, hi = ranges[r][name]
-                start = sum(
-                    ranges[r].get(n, (0, 0))[1] - ranges[r].get(n, (0, 0))[0]
-                    for n in list(PARAM_NUMELS)[:i]
-                )
-                pieces.append(gathered[r][start : start + hi - lo])
-            data = torch.cat(pieces)
-            back = dequantize(data, float(expected_scale_inv[i]))
-            bound = quantization_error_bound(full[name], 1 / float(expected_scale_inv[i]))
-            assert bool(((back - full[name]).abs() <= bound * (1 + 1e-6)).all()), (step, name)
+        for name in PARAM_NUMELS:
+            data = torch.cat(
+                [results[r]["bytes"][step][name] for r in range(world_size) if name in ranges[r]]
+            )
+            assert torch.equal(data, quantize(full[name], scales[name])), (step, name)
     # The step changed the masters, so the re-quantised scales changed too.
     assert not torch.equal(results[0]["scale_inv"][0], results[0]["scale_inv"][1])
 
@@ -218,42 +231,35 @@ def test_tp_only_amax_red_rule() -> None:
         check_fp8_recipe(_cfg(fp8_recipe="custom", tp_only_amax_red=True))
 
 
-def test_select_fp8_params_with_a_predicate() -> None:
-    params = [
-        ("a", torch.zeros(2)),
-        ("b", torch.zeros(3, dtype=torch.uint8)),
-        ("c", torch.zeros(1)),
-    ]
-    assert select_fp8_params(params, lambda p: p.dtype == torch.uint8) == ["b"]
-    if not HAVE_TE:
-        assert select_fp8_params(params) == []  # FP8 params exist only under TE
+def test_fp8_params_need_fp8_and_a_per_tensor_recipe() -> None:
+    with pytest.raises(ValueError, match="--fp8-param-gather needs --fp8-format"):
+        check_fp8_recipe(_cfg(fp8=None, fp8_param=True))
+    with pytest.raises(ValueError, match=r"--fp8-recipe mxfp8.*per-tensor recipe"):
+        check_fp8_recipe(_cfg(fp8_recipe="mxfp8", fp8_param=True))
+    check_fp8_recipe(_cfg(fp8_recipe="tensorwise", fp8_param=True))
+    check_fp8_recipe(_cfg(tp_only_amax_red=True, fp8_param=True))
+    with pytest.raises(ValueError, match="--fp8-param-gather needs --fp8-format"):
+        check_te_request(fp8_param=True)
 
 
 @pytest.mark.skipif(HAVE_TE, reason="checks the TransformerEngine-missing errors")
 def test_te_missing_errors_are_clear() -> None:
+    from megatron_odc.fp8_params import TEFloat8Codec
+
     with pytest.raises(
         ValueError, match=r"--transformer-impl transformer_engine.*TransformerEngine"
     ):
         check_te_request(transformer_impl="transformer_engine")
     with pytest.raises(ValueError, match=r"--fp8-format hybrid needs TransformerEngine.*local"):
         check_te_request(transformer_impl="local", fp8="hybrid")
-    with pytest.raises(ValueError, match="TransformerEngine"):
-        fp8.te_fp8_parts(torch.zeros(2), "w")
-    with pytest.raises(ValueError, match="TransformerEngine"):
-        fp8.te_post_all_gather_processing([])
-    with pytest.raises(ValueError, match="TransformerEngine"):
-        fp8.te_quantize_param_shard([], [], [], None)
+    with pytest.raises(
+        ValueError, match=r"FP8 parameters \(--fp8-param-gather\) needs Transformer"
+    ):
+        TEFloat8Codec()
     check_te_request(transformer_impl="local")  # nothing TE-specific requested: fine
 
 
-def test_fp8_param_gather_needs_fp8() -> None:
-    with pytest.raises(ValueError, match="--fp8-param-gather needs --fp8-format"):
-        check_te_request(fp8_param=True)
-    with pytest.raises(ValueError, match="3 params, 2 main shards"):
-        fp8.te_quantize_param_shard([1, 2, 3], [1, 2], [0, 0, 0], None)
-
-
-def test_odc_wrapper_refuses_fp8_settings_that_would_deadlock_or_are_unsupported() -> None:
+def test_odc_wrapper_refuses_fp8_settings_that_would_deadlock() -> None:
     from types import SimpleNamespace
 
     from megatron_odc.data_parallel import OdcConfig, _validate
@@ -261,8 +267,6 @@ def test_odc_wrapper_refuses_fp8_settings_that_would_deadlock_or_are_unsupported
     delayed = SimpleNamespace(fp8="hybrid", fp8_recipe="delayed", tp_only_amax_red=False)
     with pytest.raises(ValueError, match="tp-only-amax-red"):
         _validate(delayed, OdcConfig())
-    fp8_params = SimpleNamespace(
-        fp8="hybrid", fp8_recipe="delayed", tp_only_amax_red=True, fp8_param=True
-    )
-    with pytest.raises(ValueError, match="--fp8-param-gather"):
-        _validate(fp8_params, OdcConfig())
+    blockwise_params = SimpleNamespace(fp8="hybrid", fp8_recipe="blockwise", fp8_param=True)
+    with pytest.raises(ValueError, match="per-tensor recipe"):
+        _validate(blockwise_params, OdcConfig())
