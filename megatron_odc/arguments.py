@@ -21,6 +21,8 @@ import importlib.util
 import math
 import os
 
+from megatron_odc.fp8 import FP8_PARAM_RECIPES, transformer_engine_available
+
 DP_BACKENDS = ("odc", "fsdp", "ddp", "distopt")
 BALANCE_KINDS = ("lb_mini", "lb_micro", "local_sort", "round_robin")
 EQUAL_COUNT_BALANCE_KINDS = ("lb_micro",)
@@ -28,11 +30,6 @@ EQUAL_COUNT_BALANCE_KINDS = ("lb_micro",)
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 TOKENIZER_TYPES = ("ByteTokenizer", "HuggingFaceTokenizer")
 DEFAULT_LR_WARMUP_ITERS = 3
-
-
-def transformer_engine_available() -> bool:
-    """Whether TransformerEngine can be imported (looked up without importing it)."""
-    return importlib.util.find_spec("transformer_engine") is not None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,6 +115,18 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("e4m3", "hybrid"),
         default=None,
         help="FP8 training format (needs TransformerEngine and --transformer-impl transformer_engine)",
+    )
+    model.add_argument(
+        "--fp8-recipe",
+        choices=("delayed", "tensorwise", "mxfp8", "blockwise"),
+        default="delayed",
+        help="FP8 scaling recipe (delayed: amax reduced over TP only, ODC reduces it over DP)",
+    )
+    model.add_argument(
+        "--fp8-param-gather",
+        action="store_true",
+        help="keep FP8 parameters: ODC shards, fetches and re-quantises FP8 bytes (delayed or "
+        "tensorwise recipe; TransformerEngine >= 2.3)",
     )
     model.add_argument("--bf16", action="store_true", help="bf16 mixed precision")
     model.add_argument("--fp16", action="store_true", help="fp16 mixed precision (loss scaling)")
@@ -270,9 +279,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     odc.add_argument(
         "--odc-transport",
-        choices=("shm", "collective"),
+        choices=("auto", "shm", "cuda", "collective"),
         default=None,
-        help="ODC transport: shm (one host, one-sided; default) or collective (lockstep)",
+        help="ODC transport: auto (default: cuda on GPUs, shm on CPU), shm (CPU ranks of one host), "
+        "cuda (symmetric memory, the GPUs of one node) or collective (lockstep)",
+    )
+    odc.add_argument(
+        "--odc-cuda-accumulate",
+        choices=("atomic", "deterministic"),
+        default="atomic",
+        help="cuda transport: Triton peer atomics, or staging slots reduced in a fixed order "
+        "(bitwise reproducible)",
     )
     odc.add_argument(
         "--odc-bucket-size",
@@ -350,6 +367,13 @@ def validate_args(args: argparse.Namespace, *, world_size: int) -> argparse.Name
         raise ValueError(
             f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: this entry "
             "supports only 1"
+        )
+    if args.fp8_param_gather and args.fp8_format is None:
+        raise ValueError("--fp8-param-gather needs --fp8-format (e4m3 or hybrid)")
+    if args.fp8_param_gather and args.fp8_recipe not in FP8_PARAM_RECIPES:
+        raise ValueError(
+            f"--fp8-param-gather with --fp8-recipe {args.fp8_recipe}: FP8 parameters are sharded "
+            f"for a per-tensor recipe only ({', '.join(FP8_PARAM_RECIPES)})"
         )
     if args.fp8_format is not None:
         if not transformer_engine_available():
@@ -480,7 +504,7 @@ def validate_args(args: argparse.Namespace, *, world_size: int) -> argparse.Name
             "--dp-backend odc"
         )
     if args.odc_transport is None:
-        args.odc_transport = "collective" if args.dp_backend == "fsdp" else "shm"
+        args.odc_transport = "collective" if args.dp_backend == "fsdp" else "auto"
     if args.dp_backend == "fsdp" and args.odc_transport != "collective":
         raise ValueError(
             f"--odc-transport {args.odc_transport} does not apply to --dp-backend fsdp, which "

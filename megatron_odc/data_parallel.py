@@ -53,9 +53,10 @@ ROOT_UNIT = "root"
 class OdcConfig(DistributedDataParallelConfig):
     """``DistributedDataParallelConfig`` plus ODC's own fields (Megatron-LM fills same-named args)."""
 
-    odc_transport: str = "shm"
+    odc_transport: str = "auto"
     """One-sided transport: ``shm`` (CPU, one host), ``cuda`` (PyTorch symmetric memory, the GPUs of one
-    node) or ``collective`` (lockstep all-gather / reduce-scatter: the FSDP baseline)."""
+    node), ``collective`` (lockstep all-gather / reduce-scatter: the FSDP baseline) or ``auto``
+    (``cuda`` for a model on a GPU, else ``shm``)."""
 
     odc_cuda_accumulate: str = "atomic"
     """``cuda`` transport only: ``atomic`` (Triton peer atomics) or ``deterministic`` (staging slots and
@@ -103,6 +104,14 @@ def _validate(config: TransformerConfig, ddp_config: DistributedDataParallelConf
         )
     if getattr(config, "delay_wgrad_compute", False):
         raise ValueError("--delay-wgrad-compute does not combine with --dp-backend odc")
+
+
+def resolve_transport(name: str, module: torch.nn.Module) -> str:
+    """``auto`` -> ``cuda`` when the model's parameters are on a GPU, else ``shm``; others unchanged."""
+    if name != "auto":
+        return name
+    first = next(module.parameters(), None)
+    return "cuda" if first is not None and first.device.type == "cuda" else "shm"
 
 
 def _units(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -167,10 +176,12 @@ class OdcDataParallel(DistributedDataParallel):
         named.sort(key=lambda t: order[t[2]])  # root first, then layers in forward order (stable)
 
         fp8_codec = select_fp8_codec((n, p) for n, p, _ in named)
+        transport_name = resolve_transport(odc.odc_transport, module)
         options = {"timeout_s": odc.odc_timeout_s}
-        if odc.odc_transport == "cuda":
+        if transport_name == "cuda":
             options["accumulate_mode"] = odc.odc_cuda_accumulate
-        transport = build_transport(odc.odc_transport, self.dp_group, **options)
+        transport = build_transport(transport_name, self.dp_group, **options)
+        self.transport_name = transport_name
         grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else config.params_dtype
         try:
             self.engine = ODCEngine(

@@ -10,7 +10,8 @@
   them (the transpose on GPUs without non-TN FP8 GEMMs), before a release the cache is dropped; after a
   step ``quantize_param_shard`` (TE's ``cast_master_weights_to_fp8`` with shard targets, TE >= 2.3)
   re-quantises each rank's owned bytes with the amax reduced over DP;
-- ``EmulatedFloat8Codec``: ``EmulatedFloat8Tensor`` parameters (pure torch).
+- ``EmulatedFloat8Codec``: ``EmulatedFloat8Tensor`` parameters (pure torch); ``emulate_fp8_weights``
+  turns chosen weights of a megatron-core model into them, to run the FP8 parameter path without TE.
 
 MXFP8, blockwise and NVFP4 parameters have no flat per-tensor byte array to fetch: they are refused with a
 message saying what to use instead. This module is Megatron-facing (it imports ``megatron.core``).
@@ -24,7 +25,12 @@ from collections.abc import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_odc.fp8 import EmulatedFloat8Codec, Float8ParamCodec, require_transformer_engine
+from megatron_odc.fp8 import (
+    EmulatedFloat8Codec,
+    EmulatedFloat8Tensor,
+    Float8ParamCodec,
+    require_transformer_engine,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -153,3 +159,26 @@ def select_fp8_codec(named_params: Iterable[tuple[str, torch.Tensor]]) -> Float8
     if "te" in kinds:
         return te
     return None
+
+
+def emulate_fp8_weights(model: torch.nn.Module, substrings: Sequence[str]) -> list[str]:
+    """Replace every weight whose name contains one of ``substrings`` by an ``EmulatedFloat8Tensor``.
+
+    The new parameters keep megatron's tensor-parallel attributes; each is quantised with the scale of
+    its own amax. Returns the replaced parameter names.
+    """
+    from megatron.core.tensor_parallel import copy_tensor_model_parallel_attributes
+
+    replaced = []
+    for module_name, module in model.named_modules():
+        weight = module._parameters.get("weight")
+        name = f"{module_name}.weight" if module_name else "weight"
+        if weight is None or not any(s in name for s in substrings):
+            continue
+        fp8 = torch.nn.Parameter(
+            EmulatedFloat8Tensor.from_float(weight.detach()), requires_grad=True
+        )
+        copy_tensor_model_parallel_attributes(fp8, weight)
+        module.weight = fp8
+        replaced.append(name)
+    return replaced

@@ -215,7 +215,14 @@ def _build_model(args: argparse.Namespace, vocab_size: int, device: torch.device
         config = transformer_config(cfg)
         if args.fp8_format is not None:
             # Delayed scaling's amax all-reduce must not span DP: ranks run different counts.
-            config = dataclasses.replace(config, fp8=args.fp8_format, tp_only_amax_red=True)
+            # FP8 parameters (--fp8-param-gather) are built by the TE layers under fp8_model_init.
+            config = dataclasses.replace(
+                config,
+                fp8=args.fp8_format,
+                fp8_recipe=args.fp8_recipe,
+                fp8_param=args.fp8_param_gather,
+                tp_only_amax_red=True,
+            )
         model = GPTModel(
             config=config,
             transformer_layer_spec=get_gpt_layer_with_transformer_engine_spec(
@@ -672,7 +679,10 @@ def _train(args: argparse.Namespace, device: torch.device) -> TrainResult:
     model = _build_model(args, vocab_size, device)
     odc_options: dict[str, Any] | None = None
     if args.dp_backend in ("odc", "fsdp"):
-        odc_options = {"odc_transport": args.odc_transport}
+        odc_options = {
+            "odc_transport": args.odc_transport,
+            "odc_cuda_accumulate": args.odc_cuda_accumulate,
+        }
         if args.odc_bucket_size is not None:
             odc_options["odc_bucket_size"] = args.odc_bucket_size
     model, optimizer = build_backend(

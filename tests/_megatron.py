@@ -261,27 +261,3 @@ def train_step(
         "grad_norm": float(grad_norm),
         "update_successful": bool(update_successful),
     }
-
-
-def emulate_fp8_weights(model: torch.nn.Module, substrings: tuple[str, ...]) -> list[str]:
-    """Replace every weight whose name contains one of ``substrings`` by an ``EmulatedFloat8Tensor``.
-
-    The new parameter keeps megatron's tensor-parallel attributes. Returns the replaced names.
-    """
-    from megatron.core.tensor_parallel import copy_tensor_model_parallel_attributes
-
-    from megatron_odc.fp8 import EmulatedFloat8Tensor
-
-    replaced = []
-    for module_name, module in model.named_modules():
-        weight = module._parameters.get("weight")
-        name = f"{module_name}.weight"
-        if weight is None or not any(s in name for s in substrings):
-            continue
-        fp8 = torch.nn.Parameter(
-            EmulatedFloat8Tensor.from_float(weight.detach()), requires_grad=True
-        )
-        copy_tensor_model_parallel_attributes(fp8, weight)
-        module.weight = fp8
-        replaced.append(name)
-    return replaced

@@ -45,8 +45,8 @@ def _batches(cfg, step: int) -> list[list[dict[str, torch.Tensor]]]:
 
 
 def _fp8_model(cfg, seed: int):
+    from megatron_odc.fp8_params import emulate_fp8_weights
     from megatron_odc.model import build_gpt_model
-    from tests._megatron import emulate_fp8_weights
 
     model = build_gpt_model(cfg, seed=seed)
     names = emulate_fp8_weights(model, FP8_WEIGHTS)

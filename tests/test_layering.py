@@ -9,6 +9,8 @@ import pytest
 
 LOWER_LAYERS = [
     "megatron_odc.layout",
+    "megatron_odc.devices",
+    "megatron_odc.fp8",
     "megatron_odc.transport",
     "megatron_odc.transport.base",
     "megatron_odc.transport.shm",

@@ -68,6 +68,11 @@ BAD_FLAGS = [
     (["--data-path", "/nonexistent/prefix", "--max-tokens-per-microbatch", "64"], "--data-path"),
     (["--min-lr", "1.0"], "--min-lr"),
     (["--finetune"], "--finetune"),
+    (["--fp8-param-gather"], "--fp8-param-gather"),
+    (
+        ["--fp8-format", "hybrid", "--fp8-param-gather", "--fp8-recipe", "mxfp8"],
+        "--fp8-param-gather",
+    ),
 ]
 TE_BAD_FLAGS = [
     (["--fp8-format", "hybrid"], "--fp8-format"),
@@ -85,7 +90,7 @@ def test_bad_flags_are_refused_naming_the_flag(argv, flag):
 
 def test_defaults_are_filled_per_backend():
     odc = _validated([])
-    assert (odc.balance, odc.odc_transport, odc.sft) == ("lb_mini", "shm", True)
+    assert (odc.balance, odc.odc_transport, odc.sft) == ("lb_mini", "auto", True)
     assert odc.max_tokens_per_microbatch == odc.seq_length == odc.max_position_embeddings
     assert odc.lr_decay_iters == odc.train_iters
     assert odc.lr_warmup_iters < odc.lr_decay_iters

@@ -127,7 +127,24 @@ def add_odc_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         help="token cap of a microbatch; Megatron-LM's path needs seq_length * micro_batch_size",
     )
-    group.add_argument("--odc-transport", choices=("shm", "collective", "cuda"), default=None)
+    group.add_argument(
+        "--odc-transport",
+        choices=("auto", "shm", "collective", "cuda"),
+        default=None,
+        help="one-sided transport (default auto: cuda for a model on GPUs, else shm)",
+    )
+    group.add_argument(
+        "--odc-cuda-accumulate",
+        choices=("atomic", "deterministic"),
+        default=None,
+        help="cuda transport: peer atomics, or staging slots reduced in a fixed order (reproducible)",
+    )
+    group.add_argument(
+        "--odc-pushes-in-flight",
+        type=int,
+        default=None,
+        help="gradient pushes that may still run while compute goes on (default 1)",
+    )
     group.add_argument("--odc-bucket-size", type=int, default=None, help="elements per bucket")
     group.add_argument("--odc-alignment", type=int, default=None, help="element alignment")
     group.add_argument(
@@ -298,7 +315,14 @@ def odc_config_from(ddp_config: Any, args: argparse.Namespace) -> Any:
     from megatron_odc.data_parallel import OdcConfig
 
     kwargs = {f.name: getattr(ddp_config, f.name) for f in dataclasses.fields(ddp_config) if f.init}
-    for name in ("odc_transport", "odc_bucket_size", "odc_alignment", "odc_timeout_s"):
+    for name in (
+        "odc_transport",
+        "odc_bucket_size",
+        "odc_alignment",
+        "odc_timeout_s",
+        "odc_cuda_accumulate",
+        "odc_pushes_in_flight",
+    ):
         value = getattr(args, name, None)
         if value is not None:
             kwargs[name] = value
@@ -337,7 +361,7 @@ def _wrap_get_model(original: Callable, training: Any) -> Callable:
                 "--dp-backend %s: %d model chunk(s) wrapped in OdcDataParallel (transport %s)",
                 margs.dp_backend,
                 len(wrapped),
-                wrapped[0].ddp_config.odc_transport,
+                wrapped[0].transport_name,
             )
         return model
 
