@@ -197,7 +197,8 @@ class EmulatedFloat8Tensor(torch.Tensor):
 
     Any torch op sees the dequantised values in the logical ``dtype``, so it drops into any module as a
     parameter (``torch.nn.Parameter(EmulatedFloat8Tensor.from_float(w), requires_grad=True)``) and its
-    gradient is an ordinary tensor. ``detach`` shares the bytes. It stands in for TransformerEngine's
+    gradient is an ordinary tensor. ``detach`` shares the bytes; moving it to another device is refused
+    (``Module.to`` would silently replace it by a plain copy): create it on its device. It stands in for TransformerEngine's
     ``Float8Tensor`` where TE is missing: the engine's FP8 path (sharded bytes, fetch, re-quantise with a
     DP-wide amax) is the same for both.
     """
@@ -250,6 +251,14 @@ class EmulatedFloat8Tensor(torch.Tensor):
         if func is torch.ops.aten.detach.default:
             (src,) = args
             return cls(src._data, src._scale_inv, src.dtype, src.fmt)
+        if func is torch.ops.aten._to_copy.default and isinstance(args[0], EmulatedFloat8Tensor):
+            device = (kwargs or {}).get("device")
+            if device is not None and torch.device(device) != args[0].device:
+                # Module.to / .cuda() would silently swap the FP8 weight for a plain copy.
+                raise ValueError(
+                    "an EmulatedFloat8Tensor does not move between devices; create it where it "
+                    "lives (call emulate_fp8_weights after moving the model)"
+                )
 
         def unwrap(x: Any) -> Any:
             return x.dequantize() if isinstance(x, EmulatedFloat8Tensor) else x

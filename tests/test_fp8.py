@@ -270,3 +270,14 @@ def test_odc_wrapper_refuses_fp8_settings_that_would_deadlock() -> None:
     blockwise_params = SimpleNamespace(fp8="hybrid", fp8_recipe="blockwise", fp8_param=True)
     with pytest.raises(ValueError, match="per-tensor recipe"):
         _validate(blockwise_params, OdcConfig())
+
+
+def test_emulated_float8_weight_refuses_to_move_devices() -> None:
+    linear = torch.nn.Linear(3, 2, bias=False)
+    linear.weight = torch.nn.Parameter(
+        EmulatedFloat8Tensor.from_float(linear.weight.detach()), requires_grad=True
+    )
+    with pytest.raises(ValueError, match="does not move between devices"):
+        linear.to("meta")
+    assert isinstance(linear.weight, EmulatedFloat8Tensor)  # still the FP8 weight
+    assert linear.weight.float().dtype == torch.float32  # a dtype conversion reads the values

@@ -44,11 +44,11 @@ def _batches(cfg, step: int) -> list[list[dict[str, torch.Tensor]]]:
     return out
 
 
-def _fp8_model(cfg, seed: int):
+def _fp8_model(cfg, seed: int, device: str = "cpu"):
     from megatron_odc.fp8_params import emulate_fp8_weights
     from megatron_odc.model import build_gpt_model
 
-    model = build_gpt_model(cfg, seed=seed)
+    model = build_gpt_model(cfg, seed=seed).to(device)  # FP8 weights are made where they live
     names = emulate_fp8_weights(model, FP8_WEIGHTS)
     assert len(names) == 2 * cfg.num_layers, names
     return model
@@ -82,12 +82,15 @@ def _odc_step(model, optimizer, cfg, step: int) -> float:
     return float(totals[0] / totals[1])
 
 
-def _oracle(cfg, seed: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process, every rank's microbatches, SGD on fp32 masters, whole-tensor re-quantisation."""
+def _oracle(cfg, seed: int, device: str = "cpu") -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, every rank's microbatches, SGD on fp32 masters, whole-tensor re-quantisation.
+
+    Also the oracle of ``benchmarks/gpu_check.py``'s FP8 check (``device="cuda"``).
+    """
     from megatron_odc.fp8 import EmulatedFloat8Tensor
     from tests._megatron import gpt_loss
 
-    model = _fp8_model(cfg, seed)
+    model = _fp8_model(cfg, seed, device)
     params = dict(model.named_parameters())
     masters = {
         n: (p.dequantize() if isinstance(p, EmulatedFloat8Tensor) else p.detach()).float().clone()
@@ -98,7 +101,7 @@ def _oracle(cfg, seed: int) -> tuple[list[float], dict[str, torch.Tensor]]:
         model.zero_grad()
         total, tokens = 0.0, 0
         for batch in (b for rank_batches in _batches(cfg, step) for b in rank_batches):
-            loss_sum, num_tokens = gpt_loss(model, batch)
+            loss_sum, num_tokens = gpt_loss(model, {k: v.to(device) for k, v in batch.items()})
             loss_sum.backward()
             total += float(loss_sum)
             tokens += num_tokens
@@ -113,7 +116,7 @@ def _oracle(cfg, seed: int) -> tuple[list[float], dict[str, torch.Tensor]]:
                 else:
                     p.copy_(masters[name])
     values = {
-        n: p.dequantize() if isinstance(p, EmulatedFloat8Tensor) else p.detach().clone()
+        n: (p.dequantize() if isinstance(p, EmulatedFloat8Tensor) else p.detach()).cpu().clone()
         for n, p in params.items()
     }
     return losses, values

@@ -477,3 +477,62 @@ def test_class_on_faked_devices_deterministic_mode() -> None:
         assert res["atomic_error"] is not None
         assert "Triton" in res["atomic_error"]
         assert "deterministic" in res["atomic_error"]
+
+
+# ---------------------------------------------------------------------- the engine over the faked devices
+
+
+def _run_engine_on_fake_cuda_transport(rank: int, world_size: int, counts: list[int]) -> list:
+    """The plain-torch engine test's model, pushed and fetched through CudaSymmTransport (deterministic)."""
+    from megatron_odc.engine import ODCEngine
+    from megatron_odc.hooks import ODCHooks
+    from tests.test_engine import _model, _named_params, _owned_grads, _samples
+
+    saved: dict = {}
+    _fake_cuda(saved)
+    try:
+        runs = []
+        for _ in range(2):  # the same minibatch twice: the deterministic mode must repeat bitwise
+            transport = CudaSymmTransport(None, accumulate_mode="deterministic")
+            transport.device = torch.device("cpu")  # the faked "device" memory is host memory
+            model = _model(0)
+            engine = ODCEngine(_named_params(model), transport, bucket_numel=700, alignment=4)
+            units = [(f"layers.{i}", layer) for i, layer in enumerate(model.layers)]
+            hooks = ODCHooks(engine, model, units, "root")
+            samples = _samples(1, sum(counts))
+            start = sum(counts[:rank])
+            engine.begin_minibatch()
+            for tokens in samples[start : start + counts[rank]]:
+                model(tokens).backward()
+            engine.finish_minibatch()
+            runs.append(
+                {
+                    "grads": _owned_grads(engine),
+                    "staged": sorted(transport._staging),
+                    "grad_buffers": sorted(n for n in transport.buffer_names if ".grad." in n),
+                }
+            )
+            hooks.remove()
+            engine.close()
+        return runs
+    finally:
+        for (obj, name), value in saved.items():
+            setattr(obj, name, value)
+
+
+def test_engine_over_the_cuda_transport_matches_one_process_and_repeats_bitwise() -> None:
+    from tests._dist import run_ranks
+    from tests.test_engine import _assemble, _oracle, assert_rel_close
+
+    counts = [1, 3]
+    results = run_ranks(_run_engine_on_fake_cuda_transport, 2, counts, timeout_s=120)
+    oracle_grads, _ = _oracle(counts, 1)
+    got = _assemble([(runs, None) for runs in results], 0, oracle_grads[0])
+    for name, expected in oracle_grads[0].items():
+        assert_rel_close(got[name], expected, 1e-5, name)
+    for runs in results:
+        first, second = runs
+        # Staging slots only for the gradient accumulators, not for the read-only parameter shards.
+        assert first["staged"] == first["grad_buffers"]
+        for (name, offset, a), (_, _, b) in zip(first["grads"], second["grads"], strict=True):
+            assert torch.equal(a, b), f"{name}@{offset}: deterministic mode changed bits"
