@@ -288,8 +288,20 @@ def test_gpu_check_dry_run() -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     # The dry run lists every check it would run, with the world sizes of the correctness runs.
-    for needle in ("correctness w=2", "correctness w=4", "bandwidth", "parity", "fp8"):
+    for needle in (
+        "correctness w=2",
+        "correctness w=4",
+        "bandwidth",
+        "parity",
+        "fp8 emulated",
+        "te fp8",
+        "megatron-core: importable",  # every name the rank bodies import resolves
+    ):
         assert needle in result.stdout, result.stdout
+    wrapper = subprocess.run(
+        ["bash", "-n", str(REPO / "benchmarks" / "gpu_check.sh")], capture_output=True, text=True
+    )
+    assert wrapper.returncode == 0, wrapper.stderr
 
 
 def test_itertools_smoke_for_latin_square_oracle() -> None:
