@@ -62,6 +62,7 @@ _FAKE_FILES = {
             parser.add_argument('--use-torch-fsdp2', action='store_true')
             parser.add_argument('--overlap-grad-reduce', action='store_true')
             parser.add_argument('--overlap-param-gather', action='store_true')
+            parser.add_argument('--fp8-param-gather', action='store_true')
             parser.add_argument('--calculate-per-token-loss', action='store_true')
             parser.add_argument('--dataloader-type', type=str, default=None)
             parser.add_argument('--save', type=str, default=None)
@@ -212,6 +213,7 @@ def _check_flags(arguments, initialize) -> dict:
         ["--use-torch-fsdp2"],
         ["--use-distributed-optimizer"],
         ["--overlap-grad-reduce"],
+        ["--fp8-param-gather"],
         ["--save", "/tmp/ckpt", "--ckpt-format", "torch"],
         ["--load", "/tmp/ckpt", "--ckpt-format", "torch_dcp"],
     ):

@@ -189,6 +189,12 @@ def postprocess_odc_args(args: argparse.Namespace) -> argparse.Namespace:
         ("use_distributed_optimizer", "--use-distributed-optimizer"),
         ("overlap_grad_reduce", "--overlap-grad-reduce"),
         ("overlap_param_gather", "--overlap-param-gather"),
+        # Megatron-LM's validate_args accepts FP8 parameters only with its distributed optimizer or
+        # FSDP; the plugin's own entry trains them under ODC (python -m megatron_odc.train).
+        (
+            "fp8_param_gather",
+            "--fp8-param-gather (use python -m megatron_odc.train for FP8 parameters)",
+        ),
     )
     for attr, flag in refusals:
         value = getattr(args, attr, None)
