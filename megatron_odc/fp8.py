@@ -197,8 +197,9 @@ class EmulatedFloat8Tensor(torch.Tensor):
 
     Any torch op sees the dequantised values in the logical ``dtype``, so it drops into any module as a
     parameter (``torch.nn.Parameter(EmulatedFloat8Tensor.from_float(w), requires_grad=True)``) and its
-    gradient is an ordinary tensor. ``detach`` shares the bytes; moving it to another device is refused
-    (``Module.to`` would silently replace it by a plain copy): create it on its device. It stands in for TransformerEngine's
+    gradient is an ordinary tensor. ``detach`` shares the bytes; ``copy_`` re-quantises (``quantize_``);
+    other in-place ops and moves to another device are refused (they would silently work on a plain
+    copy): create it on its device. It stands in for TransformerEngine's
     ``Float8Tensor`` where TE is missing: the engine's FP8 path (sharded bytes, fetch, re-quantise with a
     DP-wide amax) is the same for both.
     """
@@ -232,10 +233,26 @@ class EmulatedFloat8Tensor(torch.Tensor):
         cls, values: torch.Tensor, fmt: str = "e4m3", dtype: torch.dtype | None = None
     ) -> EmulatedFloat8Tensor:
         """Quantise ``values`` with the scale of its own amax; the logical dtype defaults to its dtype."""
-        dtype = dtype or values.dtype
-        x = values.detach().to(dtype)
-        scale = compute_scale(x.abs().max().reshape(1), fmt).to(x.device)
-        return cls(quantize(x, scale, fmt), 1.0 / scale, dtype, fmt)
+        data = torch.empty(values.shape, dtype=torch.uint8, device=values.device)
+        scale_inv = torch.ones(1, dtype=torch.float32, device=values.device)
+        return cls(data, scale_inv, dtype or values.dtype, fmt).quantize_(values)
+
+    def quantize_(self, values: torch.Tensor) -> EmulatedFloat8Tensor:
+        """Re-quantise this weight in place from ``values``, with the scale of their own amax.
+
+        What ``copy_`` into this weight does (so ``Module.load_state_dict`` works); returns ``self``.
+        """
+        if isinstance(values, EmulatedFloat8Tensor):
+            values = values.dequantize()
+        if tuple(values.shape) != tuple(self.shape):
+            raise ValueError(
+                f"quantize_: values of shape {tuple(values.shape)} into {tuple(self.shape)}"
+            )
+        x = values.detach().to(device=self._data.device, dtype=self.dtype)
+        scale = compute_scale(x.abs().max().reshape(1), self.fmt).to(x.device)
+        self._data.copy_(quantize(x, scale, self.fmt).view(self._data.shape))
+        self._scale_inv.copy_(1.0 / scale)
+        return self
 
     def dequantize(self) -> torch.Tensor:
         """The values this weight stands for, in its logical dtype."""
@@ -251,6 +268,14 @@ class EmulatedFloat8Tensor(torch.Tensor):
         if func is torch.ops.aten.detach.default:
             (src,) = args
             return cls(src._data, src._scale_inv, src.dtype, src.fmt)
+        if func is torch.ops.aten.copy_.default and isinstance(args[0], EmulatedFloat8Tensor):
+            return args[0].quantize_(args[1])
+        if func._schema.is_mutable and args and isinstance(args[0], EmulatedFloat8Tensor):
+            # It would write a dequantised temporary and leave the FP8 bytes unchanged.
+            raise ValueError(
+                f"{func} would modify an EmulatedFloat8Tensor in place; assign new values with "
+                "copy_ / quantize_ (re-quantised), or work on dequantize()"
+            )
         if func is torch.ops.aten._to_copy.default and isinstance(args[0], EmulatedFloat8Tensor):
             device = (kwargs or {}).get("device")
             if device is not None and torch.device(device) != args[0].device:

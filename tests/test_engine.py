@@ -438,12 +438,7 @@ def _fp8_oracle(counts: list[int], steps: int) -> dict[str, torch.Tensor]:
         with torch.no_grad():
             for name, p in params.items():
                 masters[name].sub_(FP8_LR * p.grad)
-                if isinstance(p, EmulatedFloat8Tensor):
-                    new = EmulatedFloat8Tensor.from_float(masters[name])
-                    p._data.copy_(new._data)
-                    p._scale_inv.copy_(new._scale_inv)
-                else:
-                    p.copy_(masters[name])
+                p.copy_(masters[name])  # an FP8 weight: re-quantised as a whole tensor
     return {
         n: p.dequantize() if isinstance(p, EmulatedFloat8Tensor) else p.detach().clone()
         for n, p in params.items()

@@ -122,8 +122,13 @@ def test_emulated_float8_weight_in_a_module() -> None:
     assert type(seen[0]) is torch.Tensor  # the gradient is an ordinary tensor
     # detach shares the bytes: rewriting them changes what every alias reads.
     alias = linear.weight.detach()
-    linear.weight._data.zero_()
-    assert float(alias.dequantize().abs().sum()) == 0.0
+    new = torch.randn(5, 7, generator=gen)
+    with torch.no_grad():
+        linear.weight.copy_(new)  # re-quantised with the new values' own scale
+    assert torch.equal(alias._data, quantize(new, compute_scale(new.abs().max())))
+    torch.testing.assert_close(alias._scale_inv, 1 / compute_scale(new.abs().max().reshape(1)))
+    with pytest.raises(ValueError, match="in place"), torch.no_grad():
+        linear.weight.add_(1.0)
 
 
 # ---------------------------------------------------------------------- DP-wide re-quantisation

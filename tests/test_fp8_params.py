@@ -109,12 +109,7 @@ def _oracle(cfg, seed: int, device: str = "cpu") -> tuple[list[float], dict[str,
         with torch.no_grad():
             for name, p in params.items():
                 masters[name].sub_(LR * p.grad / tokens)
-                if isinstance(p, EmulatedFloat8Tensor):
-                    new = EmulatedFloat8Tensor.from_float(masters[name])
-                    p._data.copy_(new._data)
-                    p._scale_inv.copy_(new._scale_inv)
-                else:
-                    p.copy_(masters[name])
+                p.copy_(masters[name])  # an FP8 weight: re-quantised as a whole tensor
     values = {
         n: (p.dequantize() if isinstance(p, EmulatedFloat8Tensor) else p.detach()).cpu().clone()
         for n, p in params.items()
