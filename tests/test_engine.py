@@ -137,9 +137,16 @@ def _run_uneven(rank: int, world_size: int, counts: list[int], bucket_numel: int
     return results, full
 
 
-def _oracle(counts: list[int], steps: int):
-    model = _model(0)
-    samples = _samples(1, sum(counts) * steps)
+def _oracle(
+    counts: list[int], steps: int, *, make_model=_model, sample_seed: int = 1, lr: float = 0.01
+):
+    """One process on every rank's samples: SGD on fp32 masters, copied into the parameters after each
+    step (an FP8 weight re-quantises as a whole tensor). Returns the gradients of every step and the
+    final parameter values."""
+    model = make_model(0)
+    samples = _samples(sample_seed, sum(counts) * steps)
+    params = dict(model.named_parameters())
+    masters = {n: p.detach().clone().float() for n, p in params.items()}  # FP8: its values
     grads_per_step = []
     cursor = 0
     for _ in range(steps):
@@ -147,11 +154,12 @@ def _oracle(counts: list[int], steps: int):
         for tokens in samples[cursor : cursor + sum(counts)]:
             model(tokens).backward()
         cursor += sum(counts)
-        grads_per_step.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        grads_per_step.append({n: p.grad.clone() for n, p in params.items()})
         with torch.no_grad():
-            for p in model.parameters():
-                p.sub_(0.01 * p.grad)
-    return grads_per_step, {n: p.detach().clone() for n, p in model.named_parameters()}
+            for name, p in params.items():
+                masters[name].sub_(lr * p.grad)
+                p.copy_(masters[name])
+    return grads_per_step, {n: p.detach().clone() for n, p in params.items()}
 
 
 def assert_rel_close(got: torch.Tensor, expected: torch.Tensor, rel: float, msg: str) -> None:
@@ -420,36 +428,11 @@ def _run_fp8(rank: int, world_size: int, counts: list[int], steps: int) -> dict:
     return {"full": full, "buckets": buckets, "scale_inv": scale_inv, "fetch_bytes": fetch_bytes}
 
 
-def _fp8_oracle(counts: list[int], steps: int) -> dict[str, torch.Tensor]:
-    """One process: the same samples, SGD on fp32 masters, each FP8 weight re-quantised as a whole."""
-    model = _fp8_model(0)
-    samples = _samples(5, sum(counts) * steps)
-    params = dict(model.named_parameters())
-    masters = {
-        n: (p.dequantize() if isinstance(p, EmulatedFloat8Tensor) else p.detach()).clone().float()
-        for n, p in params.items()
-    }
-    cursor = 0
-    for _ in range(steps):
-        model.zero_grad()
-        for tokens in samples[cursor : cursor + sum(counts)]:
-            model(tokens).backward()
-        cursor += sum(counts)
-        with torch.no_grad():
-            for name, p in params.items():
-                masters[name].sub_(FP8_LR * p.grad)
-                p.copy_(masters[name])  # an FP8 weight: re-quantised as a whole tensor
-    return {
-        n: p.dequantize() if isinstance(p, EmulatedFloat8Tensor) else p.detach().clone()
-        for n, p in params.items()
-    }
-
-
 @pytest.mark.parametrize("counts", [[1, 3], [2, 0, 1, 1]], ids=["dp2-1vs3", "dp4-with-zero"])
 def test_fp8_parameters_train_like_one_process_quantising_whole_tensors(counts: list[int]) -> None:
     steps = 3
     results = run_ranks(_run_fp8, len(counts), counts, steps, timeout_s=120)
-    expected = _fp8_oracle(counts, steps)
+    _, expected = _oracle(counts, steps, make_model=_fp8_model, sample_seed=5, lr=FP8_LR)
     fp8_names = {
         n for n, p in _fp8_model(0).named_parameters() if isinstance(p, EmulatedFloat8Tensor)
     }
