@@ -269,15 +269,11 @@ class ODCEngine:
     def _build_storage(self, params: dict[str, torch.nn.Parameter]) -> None:
         """Write the owned shards, then rebind every parameter to a released unsharded view."""
         buckets = self.layout.buckets
-        for bucket in buckets:
-            shard = self.transport.local(self._param_buffer(bucket.index))
-            shard_start, _ = bucket.shard_range(self.dp_rank)
-            for slot, start, end in bucket.owned_pieces(self.dp_rank):
-                src = self._values(slot.name, params[slot.name]).reshape(-1)
-                dst_start = slot.bucket_offset + start - shard_start
-                shard[dst_start : dst_start + end - start].copy_(
-                    src[slot.param_offset + start : slot.param_offset + end]
-                )
+        for piece in self.owned_pieces():
+            src = self._values(piece.name, params[piece.name]).reshape(-1)
+            self.param_shard(piece.bucket_index)[piece.shard_lo : piece.shard_hi].copy_(
+                src[piece.param_start : piece.param_start + piece.numel]
+            )
         # Storage groups: maximal runs of consecutive buckets with the same unit and dtype.
         runs: list[list[BucketLayout]] = []
         for bucket in buckets:
