@@ -416,9 +416,8 @@ class ODCEngine:
         state = self.unit_state(unit)
         if state is BucketState.SHARDED:
             return
-        self.finish_fetch(
-            unit
-        )  # a prefetch nobody used: its writes must end before the memory is reused
+        # A prefetch nobody used: its writes must end before the memory is reused.
+        self.finish_fetch(unit)
         fp8 = self._unit_fp8_params(unit)
         if fp8:
             self.fp8_codec.before_release(fp8)
