@@ -4,7 +4,9 @@
 (microbatches and tokens); ``snapshot()`` returns this rank's figures for the current minibatch as a dict,
 and ``reduce_across(group)`` turns every rank's snapshot into max/mean figures (one small collective, to
 be called after the step, never inside a minibatch). ``format_line`` renders the one log line rank 0
-prints per minibatch. No megatron import.
+prints per minibatch. Times are host wall-clock: on a GPU the fetch and push figures are the time to issue
+work that then runs on the side streams, and waiting for it shows up in the fence figure (the fence
+synchronises the device). No megatron import.
 """
 
 from __future__ import annotations
