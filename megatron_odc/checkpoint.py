@@ -312,8 +312,9 @@ def odc_model_sharded_state_dict(
 
     Keys, global shapes, TP offsets and replica ids come from the module's own class
     ``sharded_state_dict`` (an instance override, :func:`install_megatron_lm_checkpointing`, is
-    bypassed). Collective when some parameter falls back to a gathered full tensor and ``for_load``
-    is false.
+    bypassed). Collective: it starts with a fence (``begin_shard_writes``), because a load writes
+    straight into the owned shards the boxes view, and peers may still be reading them; it also
+    gathers full tensors for fallback parameters when ``for_load`` is false.
 
     Args:
         model: the ``OdcDataParallel`` chunk.
@@ -321,6 +322,7 @@ def odc_model_sharded_state_dict(
         for_load: fallback entries get empty tensors to load into instead of gathered values.
         metadata: passed on to the module's ``sharded_state_dict`` (Megatron-LM's content metadata).
     """
+    model.engine.begin_shard_writes()
     module_sd = type(gpt).sharded_state_dict(gpt, metadata=metadata)
     params = dict(gpt.named_parameters())
     owned = _odc_owned_pieces(model, gpt)
@@ -652,6 +654,7 @@ def load_odc_optimizer_state_dict(optimizer: OdcOptimizer, state_dict: dict[str,
         for piece, *_ in optimizer.owned_pieces:
             optimizer.optimizer.state.pop(piece, None)
     model.engine.release_all()  # no stale unsharded copies survive the load
+    model.engine.begin_shard_writes()  # peers may still be reading the current shards
     optimizer._copy_main_params_to_model_params()
     optimizer._end_step()  # collective: the loaded shards are visible to every rank
 

@@ -341,6 +341,7 @@ class OdcDataParallel(DistributedDataParallel):
                 return None
             return value.detach().reshape(-1)[piece.param_start : piece.param_start + piece.numel]
 
+        self.engine.begin_shard_writes()  # peers may still be reading the current shards
         self.engine.write_owned(owned_values)  # FP8 parameters: re-quantised (collective)
         self.engine.transport.fence()
         return torch.nn.modules.module._IncompatibleKeys([], [])

@@ -625,8 +625,22 @@ class ODCEngine:
                 )
         return pieces
 
+    def begin_shard_writes(self) -> None:
+        """Collective: before writing owned parameter shards outside the optimizer step (a load).
+
+        Peers may still be reading this rank's current shards (a ``full_parameters`` / ``state_dict``
+        just before, a fetch of an abandoned minibatch); a fence after this rank's own operations
+        completes waits for them, so the write cannot land under a peer's read.
+        """
+        self._check_open()
+        self._retire_all_pushes()
+        self.transport.flush()
+        self.transport.fence()
+
     def write_owned(self, values: Callable[[OwnedPiece], torch.Tensor | None]) -> None:
         """Write new values into this rank's owned parameter slices (they become visible at the next fence).
+
+        Outside the optimizer step, call ``begin_shard_writes`` first.
 
         ``values(piece)`` returns the ``piece.numel`` new values of an owned piece (any float dtype), or
         ``None`` to keep it. FP8 parameters are re-quantised through the codec with the amax reduced over

@@ -325,6 +325,8 @@ class OdcOptimizer(MegatronOptimizer):
         for mains, saved in zip(self._main_shards, state_dict["main_shards"]):
             for main, value in zip(mains, saved):
                 main.copy_(value)
+        for engine in self.engines:
+            engine.begin_shard_writes()  # peers may still be reading the current shards
         self._copy_main_params_to_model_params()
         self._end_step()  # collective: the loaded shards are visible to every rank
 

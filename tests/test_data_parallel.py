@@ -9,6 +9,8 @@ rank with none) are compared with a single-process run of the union of the sampl
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -200,6 +202,10 @@ def _run_float16_state_dict(rank, world_size):
         gpt = build_gpt_model(cfg, seed=11)
         model = Float16Module(gpt.config, gpt)
         odc_model, _ = _build_odc(model, lr=1e-3, weight_decay=0.0, clip_grad=1.0)
+        if rank == 1:
+            # Rank 1 reads rank 0's shards late: rank 0's load_state_dict below must not overwrite
+            # them before rank 1 has read them (the load fences first).
+            time.sleep(1.0)
         got = odc_model.state_dict()
         same_keys = sorted(k for k in got if not k.endswith("_extra_state")) == sorted(expected)
         equal = all(torch.equal(got[k], expected[k]) for k in expected)
