@@ -215,6 +215,11 @@ class ODCEngine:
         self._unit_names: dict[str, list[str]] = {unit: [] for unit in self.layout.units}
         for name, entry in self._entries.items():
             self._unit_names[entry.unit].append(name)
+        # Per unit, its FP8 parameters (what the codec processes after a fetch and before a release).
+        self._unit_fp8: dict[str, list[torch.Tensor]] = {
+            unit: [self._entries[n].param for n in names if n in self.fp8_names]
+            for unit, names in self._unit_names.items()
+        }
         self._pending: dict[str, set[str]] = {unit: set() for unit in self.layout.units}
         self._ready: dict[str, set[str]] = {unit: set() for unit in self.layout.units}
         self.transport.fence()
@@ -399,7 +404,7 @@ class ODCEngine:
             self._ops.wait(self._compute_stream, self._fetch_events.pop(unit))
             for bucket_index in self._unit_buckets(unit):
                 self._transition(bucket_index, BucketState.UNSHARDED, "fetch")
-            fp8 = self._unit_fp8_params(unit)
+            fp8 = self._unit_fp8[unit]
             if fp8:
                 self.fp8_codec.after_fetch(fp8)
 
@@ -408,9 +413,6 @@ class ODCEngine:
         self.start_fetch(unit)
         self.finish_fetch(unit)
 
-    def _unit_fp8_params(self, unit: str) -> list[torch.Tensor]:
-        return [self._entries[n].param for n in self._unit_names[unit] if n in self.fp8_names]
-
     def release(self, unit: str) -> None:
         """Free the unit's unsharded parameters; a no-op if already released."""
         state = self.unit_state(unit)
@@ -418,7 +420,7 @@ class ODCEngine:
             return
         # A prefetch nobody used: its writes must end before the memory is reused.
         self.finish_fetch(unit)
-        fp8 = self._unit_fp8_params(unit)
+        fp8 = self._unit_fp8[unit]
         if fp8:
             self.fp8_codec.before_release(fp8)
         for bucket_index in self._unit_buckets(unit):
