@@ -2,7 +2,7 @@
 the deterministic owner reduce, kernel choice, and the error paths (no CUDA, no Triton, bad dtype).
 
 Layer 1 of the testing layers (no process group, no GPU). The kernels and the symmetric-memory calls
-themselves run only in ``benchmarks/gpu_check.py`` on a GPU; its ``--dry-run`` is checked here.
+themselves run only in ``benchmarks/gpu_check.py`` on a GPU (its dry run and CPU rehearsal: ``tests/test_gpu_check.py``).
 """
 
 from __future__ import annotations
@@ -278,32 +278,6 @@ def test_module_imports_without_triton_or_megatron() -> None:
     assert result.stdout.strip() == "True"
 
 
-def test_gpu_check_dry_run() -> None:
-    result = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--dry-run"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    # The dry run lists every check it would run, with the world sizes of the correctness runs.
-    for needle in (
-        "correctness w=2",
-        "correctness w=4",
-        "bandwidth",
-        "parity",
-        "fp8 emulated",
-        "te fp8",
-        "megatron-core: importable",  # every name the rank bodies import resolves
-    ):
-        assert needle in result.stdout, result.stdout
-    wrapper = subprocess.run(
-        ["bash", "-n", str(REPO / "benchmarks" / "gpu_check.sh")], capture_output=True, text=True
-    )
-    assert wrapper.returncode == 0, wrapper.stderr
-
-
 def test_itertools_smoke_for_latin_square_oracle() -> None:
     # The Latin-square property above is what makes concurrent whole-bucket operations contention-free:
     # for every pair of ranks, their step-k targets differ.
@@ -313,98 +287,18 @@ def test_itertools_smoke_for_latin_square_oracle() -> None:
 
 # ---------------------------------------------------------------------- the class on CPU, faked devices
 #
-# Symmetric memory is replaced by shared /dev/shm mappings (every rank maps every rank's file, so
-# ``get_buffer(peer, ...)`` is a real view of the peer's memory) and CUDA streams by no-ops. The
-# transport's own code (registration, staging slots at the peer, the owner reduce at the fence, the
-# error paths) then runs unchanged in two real processes.
-
-
-class _FakeStream:
-    def wait_stream(self, other) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-
-class _FakeHandle:
-    buffer_ptrs_dev = 0
-
-    def __init__(self, views: list[torch.Tensor]) -> None:
-        self.views = views
-
-    def get_buffer(self, peer: int, sizes, dtype: torch.dtype, storage_offset: int = 0):
-        view = self.views[peer]
-        assert view.dtype == dtype, (view.dtype, dtype)
-        numel = int(torch.Size(sizes).numel())
-        assert storage_offset + numel <= view.numel(), "get_buffer out of bounds"
-        return view[storage_offset : storage_offset + numel].view(sizes)
-
-    def barrier(self, channel: int = 0) -> None:
-        import torch.distributed as dist
-
-        dist.barrier()
-
-
-class _FakeSymmMem:
-    def __init__(self, directory: str) -> None:
-        self.directory = directory
-        self.paths: dict[int, str] = {}
-        self.count = 0
-
-    def empty(self, numel: int, dtype: torch.dtype, device) -> torch.Tensor:
-        import os
-
-        path = os.path.join(self.directory, f"fake-{os.getpid()}-{self.count}")
-        self.count += 1
-        tensor = torch.from_file(path, shared=True, size=numel, dtype=dtype)
-        self.paths[tensor.data_ptr()] = path
-        return tensor
-
-    def rendezvous(self, tensor: torch.Tensor, group) -> _FakeHandle:
-        import torch.distributed as dist
-
-        paths: list = [None] * dist.get_world_size()
-        dist.all_gather_object(paths, self.paths[tensor.data_ptr()])
-        views = [
-            torch.from_file(p, shared=True, size=tensor.numel(), dtype=tensor.dtype) for p in paths
-        ]
-        views[dist.get_rank()] = tensor
-        return _FakeHandle(views)
-
-
-def _fake_cuda(monkeypatch_like: dict) -> None:
-    import contextlib
-    import os
-
-    import torch.distributed._symmetric_memory as symm_mem
-
-    fake = _FakeSymmMem(os.environ["MEGATRON_ODC_SHM_DIR"])
-    stream = _FakeStream()
-    patches = {
-        (torch.cuda, "is_available"): lambda: True,
-        (torch.cuda, "current_device"): lambda: 0,
-        (torch.cuda, "set_device"): lambda device: None,
-        (torch.cuda, "Stream"): lambda *a, **k: _FakeStream(),
-        (torch.cuda, "current_stream"): lambda *a, **k: stream,
-        (torch.cuda, "synchronize"): lambda *a, **k: None,
-        (torch.cuda, "stream"): lambda s: contextlib.nullcontext(),
-        (torch.Tensor, "record_stream"): lambda self, s: None,
-        (symm_mem, "empty"): fake.empty,
-        (symm_mem, "rendezvous"): fake.rendezvous,
-    }
-    for (obj, name), value in patches.items():
-        monkeypatch_like[(obj, name)] = getattr(obj, name)
-        setattr(obj, name, value)
+# ``tests/_fake_cuda.py`` stands in for the GPU: symmetric memory as shared /dev/shm mappings, streams
+# as no-ops; the transport's own code then runs unchanged in two real processes.
 
 
 def _run_fake_device(rank: int, world_size: int) -> dict:
-    saved: dict = {}
-    _fake_cuda(saved)
+    from tests._fake_cuda import install_fake_cuda
+
+    fake = install_fake_cuda()
     out: dict = {}
     n = 37
     t = CudaSymmTransport(None, accumulate_mode="deterministic")
-    t.device = torch.device("cpu")  # the faked "device" memory is host memory
+    out["device"] = str(t.device)
     p = t.register("p", n, torch.float32, accumulate=False)  # read-only for peers: no staging
     g = t.register("g", n, torch.float32)
     b = t.register("b", 5, torch.bfloat16)
@@ -442,7 +336,6 @@ def _run_fake_device(rank: int, world_size: int) -> dict:
     out["runs"] = runs
     out["staging_zero"] = all(int(s.count_nonzero()) == 0 for s, _ in t._staging.values())
     atomic = CudaSymmTransport(None, accumulate_mode="atomic")
-    atomic.device = torch.device("cpu")
     atomic.register("g", n, torch.float32)
     try:
         atomic.accumulate("g", 0, 0, torch.ones(3))
@@ -452,8 +345,8 @@ def _run_fake_device(rank: int, world_size: int) -> dict:
     atomic.fence()
     atomic.close()
     t.close()
-    for (obj, name), value in saved.items():
-        setattr(obj, name, value)
+    fake.revert()
+    out["restored"] = CudaSymmTransport.__init__.__qualname__
     return out
 
 
@@ -468,6 +361,8 @@ def test_class_on_faked_devices_deterministic_mode() -> None:
         gen = torch.Generator().manual_seed(10 + r)
         fulls.append(torch.randn(world_size * n, generator=gen) * 10.0**r)
     for rank, res in enumerate(results):
+        assert res["device"] == "cpu"
+        assert res["restored"] == "CudaSymmTransport.__init__"  # revert put the real class back
         assert res["staged"] == ["g"]
         torch.testing.assert_close(res["gathered"], expected_p, rtol=0, atol=0)
         peer = (rank + 1) % world_size
@@ -498,15 +393,14 @@ def _run_engine_on_fake_cuda_transport(rank: int, world_size: int, counts: list[
     """The plain-torch engine test's model, pushed and fetched through CudaSymmTransport (deterministic)."""
     from megatron_odc.engine import ODCEngine
     from megatron_odc.hooks import ODCHooks
+    from tests._fake_cuda import install_fake_cuda
     from tests.test_engine import _model, _named_params, _owned_grads, _samples
 
-    saved: dict = {}
-    _fake_cuda(saved)
+    fake = install_fake_cuda()
     try:
         runs = []
         for _ in range(2):  # the same minibatch twice: the deterministic mode must repeat bitwise
             transport = CudaSymmTransport(None, accumulate_mode="deterministic")
-            transport.device = torch.device("cpu")  # the faked "device" memory is host memory
             model = _model(0)
             engine = ODCEngine(_named_params(model), transport, bucket_numel=700, alignment=4)
             units = [(f"layers.{i}", layer) for i, layer in enumerate(model.layers)]
@@ -528,8 +422,7 @@ def _run_engine_on_fake_cuda_transport(rank: int, world_size: int, counts: list[
             engine.close()
         return runs
     finally:
-        for (obj, name), value in saved.items():
-            setattr(obj, name, value)
+        fake.revert()
 
 
 def test_engine_over_the_cuda_transport_matches_one_process_and_repeats_bitwise() -> None:
