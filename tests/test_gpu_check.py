@@ -57,6 +57,7 @@ def test_gpu_check_dry_run() -> None:
 def test_cpu_rehearsal_runs_every_check_and_passes(tmp_path: Path) -> None:
     checks = ["correctness w=2", "bandwidth w=2", "parity w=2 odc vs ddp", "fp8 emulated w=2"]
     out = tmp_path / "numbers.json"
+    before = _rehearsal_dirs()
     argv = [sys.executable, str(SCRIPT), "--cpu-rehearsal", "--repeats", "2", "--json", str(out)]
     result = subprocess.run(
         [*argv, "--only", *checks],
@@ -81,6 +82,11 @@ def test_cpu_rehearsal_runs_every_check_and_passes(tmp_path: Path) -> None:
     correctness = numbers["correctness w=2"]["extra"]["results"]
     assert [sorted(k for k in r if k != "features") for r in correctness] == [["deterministic"]] * 2
     assert numbers["bandwidth w=2"]["extra"]["acc_det_gbps"] > 0
+    assert _rehearsal_dirs() == before, "the rehearsal left its host 'symmetric memory' behind"
+
+
+def _rehearsal_dirs() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("odc-gpu-check-*")}
 
 
 @pytest.fixture
