@@ -62,6 +62,7 @@ class FakeSymmMem:
         self.directory = directory
         self.paths: dict[int, str] = {}
         self.count = 0
+        self.groups: list[Any] = []  # the group argument of every rendezvous, as given
 
     def empty(self, numel: int, dtype: torch.dtype, device: Any) -> torch.Tensor:
         path = os.path.join(self.directory, f"fake-{os.getpid()}-{self.count}")
@@ -71,6 +72,7 @@ class FakeSymmMem:
         return tensor
 
     def rendezvous(self, tensor: torch.Tensor, group: Any) -> FakeHandle:
+        self.groups.append(group)
         paths: list = [None] * dist.get_world_size()
         dist.all_gather_object(paths, self.paths[tensor.data_ptr()])
         views = [
@@ -81,10 +83,15 @@ class FakeSymmMem:
 
 
 class FakeCuda:
-    """The installed replacements; :meth:`revert` puts every attribute back, last patched first."""
+    """The installed replacements; :meth:`revert` puts every attribute back, last patched first.
 
-    def __init__(self) -> None:
+    Attributes:
+        symm_mem: the fake symmetric memory (its ``groups`` records every rendezvous's group argument).
+    """
+
+    def __init__(self, symm_mem: FakeSymmMem) -> None:
         self._saved: list[tuple[Any, str, Any]] = []
+        self.symm_mem = symm_mem
 
     def patch(self, owner: Any, name: str, value: Any) -> None:
         self._saved.append((owner, name, getattr(owner, name)))
@@ -106,7 +113,8 @@ def install_fake_cuda() -> FakeCuda:
     directory = os.environ.get("MEGATRON_ODC_SHM_DIR")
     if not directory:
         raise ValueError("install_fake_cuda: set MEGATRON_ODC_SHM_DIR to a private directory first")
-    fake, stream, handle = FakeSymmMem(directory), FakeStream(), FakeCuda()
+    fake, stream = FakeSymmMem(directory), FakeStream()
+    handle = FakeCuda(fake)
     original_init = CudaSymmTransport.__init__
 
     def init_on_host(self, group=None, *args: Any, device: Any = None, **kwargs: Any) -> None:

@@ -60,10 +60,25 @@ def test_probe_reads_attributes_not_versions() -> None:
     assert not probe_symm_mem(types.SimpleNamespace(rendezvous=None)).usable
 
 
+def test_probe_tells_whether_groups_must_be_enabled() -> None:
+    def enable(group_name: str) -> None:
+        pass
+
+    older = types.SimpleNamespace(empty=None, rendezvous=None, enable_symm_mem_for_group=enable)
+    assert probe_symm_mem(older).needs_group_enable  # present and not deprecated: call it
+    enable.__deprecated__ = "no need to call this function anymore"  # what @deprecated sets
+    assert not probe_symm_mem(older).needs_group_enable
+    assert not probe_symm_mem(types.SimpleNamespace(empty=None, rendezvous=None)).needs_group_enable
+
+
 def test_probe_of_installed_torch_matches_hasattr() -> None:
     import torch.distributed._symmetric_memory as symm_mem
 
     feats = probe_symm_mem()
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    assert feats.needs_group_enable == (
+        enable is not None and not hasattr(enable, "__deprecated__")
+    )
     assert feats.has_get == hasattr(symm_mem, "get")
     assert feats.has_set_backend == hasattr(symm_mem, "set_backend")
     assert feats.has_empty == hasattr(symm_mem, "empty")
@@ -384,6 +399,45 @@ def test_class_on_faked_devices_deterministic_mode() -> None:
         assert res["atomic_error"] is not None
         assert "Triton" in res["atomic_error"]
         assert "deterministic" in res["atomic_error"]
+
+
+def _run_group_enable(rank: int, world_size: int, needs_enable: bool) -> dict:
+    import dataclasses
+
+    import torch.distributed as dist
+    import torch.distributed._symmetric_memory as symm_mem
+
+    import megatron_odc.transport.cuda as cuda_transport
+    from tests._fake_cuda import install_fake_cuda
+
+    fake = install_fake_cuda()
+    enabled: list[str] = []
+    probed = dataclasses.replace(cuda_transport.probe_symm_mem(), needs_group_enable=needs_enable)
+    fake.patch(cuda_transport, "probe_symm_mem", lambda: probed)
+    fake.patch(symm_mem, "enable_symm_mem_for_group", enabled.append)
+    try:
+        t = CudaSymmTransport(None, accumulate_mode="deterministic")
+        t.register("g", 8, torch.float32)
+        t.close()
+        return {
+            "enabled": enabled,
+            "world": dist.group.WORLD.group_name,
+            "groups": [type(g).__name__ for g in fake.symm_mem.groups],
+            "names": [str(g) for g in fake.symm_mem.groups],
+        }
+    finally:
+        fake.revert()
+
+
+@pytest.mark.parametrize("needs_enable", [True, False])
+def test_group_enabled_only_where_this_pytorch_needs_it(needs_enable: bool) -> None:
+    from tests._dist import run_ranks
+
+    for res in run_ranks(_run_group_enable, 2, needs_enable, timeout_s=60):
+        assert res["enabled"] == ([res["world"]] if needs_enable else [])
+        # Every rendezvous (the buffer and its staging slots) names the group by its name, a str.
+        assert res["groups"] == ["str", "str"]
+        assert res["names"] == [res["world"]] * 2
 
 
 # ---------------------------------------------------------------------- the engine over the faked devices

@@ -84,6 +84,9 @@ class SymmMemFeatures:
         has_set_backend: ``symm_mem.set_backend`` (choose CUDA / NVSHMEM / NCCL).
         has_get_mem_pool: ``symm_mem.get_mem_pool``.
         nvshmem_available: ``symm_mem.is_nvshmem_available()`` returned True.
+        needs_group_enable: ``symm_mem.enable_symm_mem_for_group`` exists and is not marked deprecated
+            (no ``__deprecated__``): the PyTorch releases before the group registered itself, where a
+            rendezvous on a group that was never enabled fails.
     """
 
     importable: bool
@@ -93,6 +96,7 @@ class SymmMemFeatures:
     has_set_backend: bool = False
     has_get_mem_pool: bool = False
     nvshmem_available: bool = False
+    needs_group_enable: bool = False
 
     @property
     def usable(self) -> bool:
@@ -126,6 +130,8 @@ def probe_symm_mem(module: Any = None) -> SymmMemFeatures:
         has_set_backend=hasattr(module, "set_backend"),
         has_get_mem_pool=hasattr(module, "get_mem_pool"),
         nvshmem_available=nvshmem,
+        needs_group_enable=callable(enable := getattr(module, "enable_symm_mem_for_group", None))
+        and not hasattr(enable, "__deprecated__"),
     )
 
 
@@ -372,6 +378,10 @@ class CudaSymmTransport(Transport):
         import torch.distributed._symmetric_memory as symm_mem
 
         self._symm_mem: ModuleType = symm_mem
+        # By name, not the group object: older releases' rendezvous takes only the name.
+        self._group_name: str = self._group.group_name
+        if self.features.needs_group_enable:
+            symm_mem.enable_symm_mem_for_group(self._group_name)  # idempotent, once per group
         self._handles: dict[str, Any] = {}
         self._staging: dict[str, tuple[torch.Tensor, Any]] = {}  # name -> (staging buffer, handle)
         self._kernel: Any = None
@@ -390,7 +400,7 @@ class CudaSymmTransport(Transport):
         # Sizes must match on every rank; at least one element so that every rank allocates.
         tensor = self._symm_mem.empty(max(numel, 1), dtype=dtype, device=self.device)
         tensor.zero_()
-        handle = self._symm_mem.rendezvous(tensor, self._group)
+        handle = self._symm_mem.rendezvous(tensor, self._group_name)
         return tensor, handle
 
     def _register(self, spec: BufferSpec) -> torch.Tensor:
