@@ -62,7 +62,10 @@ _FAKE_FILES = {
             parser.add_argument('--use-torch-fsdp2', action='store_true')
             parser.add_argument('--overlap-grad-reduce', action='store_true')
             parser.add_argument('--overlap-param-gather', action='store_true')
+            parser.add_argument('--fp8-format', type=str, default=None, dest='fp8')
+            parser.add_argument('--fp8-recipe', type=str, default='delayed')
             parser.add_argument('--fp8-param-gather', action='store_true')
+            parser.add_argument('--transformer-impl', type=str, default='transformer_engine')
             parser.add_argument('--calculate-per-token-loss', action='store_true')
             parser.add_argument('--dataloader-type', type=str, default=None)
             parser.add_argument('--save', type=str, default=None)
@@ -77,6 +80,12 @@ _FAKE_FILES = {
             return args
 
         def validate_args(args, defaults={}):
+            import torch
+
+            if args.fp8_param_gather:  # core_v0.16.1's check, which ODC's wrapper must get past
+                assert args.use_distributed_optimizer or not torch.is_grad_enabled(), \
+                    '--fp8-param-gather only supported with distributed optimizer, or inference mode'
+            args.validated = (args.fp8_param_gather, torch.is_grad_enabled())  # as printed
             return args
     """,
     "megatron/training/initialize.py": """
@@ -88,6 +97,7 @@ _FAKE_FILES = {
                                 get_embedding_ranks=None, get_position_embedding_ranks=None,
                                 parsed_args=None, store=None):
             args = parse_args(extra_args_provider, ignore_unknown_args)
+            validate_args(args, args_defaults)
             set_args(args)
             return args
 
@@ -142,7 +152,7 @@ CFG_KW = {
     "seq_length": 8,
 }
 BASE_ARGV = ["pretrain_gpt.py", "--micro-batch-size", "1", "--global-batch-size", "4"]
-BASE_ARGV += ["--seq-length", str(CFG_KW["seq_length"])]
+BASE_ARGV += ["--seq-length", str(CFG_KW["seq_length"]), "--transformer-impl", "local"]
 
 
 def _write_fake_megatron_lm(root: Path) -> None:
@@ -213,7 +223,6 @@ def _check_flags(arguments, initialize) -> dict:
         ["--use-torch-fsdp2"],
         ["--use-distributed-optimizer"],
         ["--overlap-grad-reduce"],
-        ["--fp8-param-gather"],
         ["--save", "/tmp/ckpt", "--ckpt-format", "torch"],
         ["--load", "/tmp/ckpt", "--ckpt-format", "torch_dcp"],
     ):
@@ -233,6 +242,37 @@ def _check_flags(arguments, initialize) -> dict:
     refusals["fsdp"] = _error_of(lambda: arguments.parse_args())
     sys.argv = [*BASE_ARGV, "--dp-backend", "odc", "--save", "/tmp/c", "--load", "/tmp/c"]
     refusals["torch_dist_accepted"] = _error_of(lambda: arguments.parse_args())
+    # FP8 parameters: refused where ODC cannot run them, accepted (past Megatron-LM's
+    # distributed-optimizer assertion, the flag intact afterwards) where it can.
+    from megatron_odc import fp8 as fp8_module
+
+    te = ["--transformer-impl", "transformer_engine"]
+    fp8 = ["--fp8-format", "hybrid", "--fp8-param-gather"]
+    for key, extra_argv in (
+        ("fp8_no_format", ["--fp8-param-gather"]),
+        ("fp8_blockwise", [*te, *fp8, "--fp8-recipe", "blockwise"]),
+        ("fp8_local", fp8),
+        ("te_missing", te),
+        ("fp8_te_missing", [*te, *fp8]),
+    ):
+        sys.argv = [*BASE_ARGV, "--dp-backend", "odc", *extra_argv]
+        refusals[key] = _error_of(lambda: arguments.parse_args())
+    fp8_args = {"te_available": fp8_module.transformer_engine_available()}
+    real_require = fp8_module.require_transformer_engine
+    fp8_module.require_transformer_engine = lambda feature: None  # a TE install, as far as flags go
+    try:
+        for backend in ("odc", "fsdp"):
+            parsed = _parse(initialize, [*BASE_ARGV, "--dp-backend", backend, *te, *fp8])
+            fp8_args[backend] = (parsed.fp8_param_gather, parsed.validated, parsed.fp8)
+    finally:
+        fp8_module.require_transformer_engine = real_require
+    fp8_args["grad_mode_after"] = torch.is_grad_enabled()
+    try:  # neither the stock path nor the distopt baseline is changed
+        _parse(initialize, [*BASE_ARGV, *fp8])
+        fp8_args["stock"] = "accepted"
+    except AssertionError as exc:
+        fp8_args["stock"] = str(exc)
+    fp8_args["distopt"] = _parse(initialize, [*BASE_ARGV, "--dp-backend", "distopt", *fp8]).fp8
     mbs2 = _parse(initialize, [*BASE_ARGV, "--dp-backend", "odc", "--micro-batch-size", "2"])
     fsdp = _parse(initialize, [*BASE_ARGV, "--dp-backend", "fsdp"])
     return {
@@ -249,6 +289,7 @@ def _check_flags(arguments, initialize) -> dict:
         "mbs2_balance": mbs2.balance,
         "fsdp": (fsdp.odc_transport, fsdp.balance, fsdp.calculate_per_token_loss),
         "refusals": refusals,
+        "fp8_args": fp8_args,
     }
 
 
@@ -330,6 +371,8 @@ def _run_fake_training(rank: int, world_size: int, fake_root: str) -> dict:
     originals = {n: getattr(training, n) for n in names}
     originals["parse_args"] = arguments.parse_args
     originals["init.parse_args"] = initialize.parse_args
+    originals["validate_args"] = arguments.validate_args
+    originals["init.validate_args"] = initialize.validate_args
     originals["is_available"] = torch.cuda.is_available
     out: dict = {}
 
@@ -408,6 +451,8 @@ def _run_fake_training(rank: int, world_size: int, fake_root: str) -> dict:
     out["restored"] = {n: getattr(training, n) is originals[n] for n in names}
     out["restored"]["parse_args"] = arguments.parse_args is originals["parse_args"]
     out["restored"]["init.parse_args"] = initialize.parse_args is originals["init.parse_args"]
+    for key, owner in (("validate_args", arguments), ("init.validate_args", initialize)):
+        out["restored"][key] = owner.validate_args is originals[key]
 
     # The count is broadcast over TP from the rank that has data (TP=2: both ranks).
     init_megatron(2, seed=7)
@@ -497,9 +542,33 @@ def test_flags_are_composed_and_postprocessed(fake_results) -> None:
     for flag in ("--save", "--load"):
         assert flag in refusals[flag], refusals
         assert "--ckpt-format torch_dist" in refusals[flag], refusals
+    assert "needs --fp8-format" in refusals.pop("fp8_no_format"), refusals
+    assert "--fp8-recipe blockwise" in refusals.pop("fp8_blockwise"), refusals
+    assert "--transformer-impl transformer_engine (got local)" in refusals.pop("fp8_local"), (
+        refusals
+    )
+    te_missing, fp8_te_missing = refusals.pop("te_missing"), refusals.pop("fp8_te_missing")
+    if flags["fp8_args"]["te_available"]:
+        assert (te_missing, fp8_te_missing) == ("", ""), refusals
+    else:  # Megatron-LM's default --transformer-impl and the FP8 flags say TE is what is missing
+        assert "--transformer-impl transformer_engine needs TransformerEngine" in te_missing
+        assert (
+            "--fp8-format hybrid and --fp8-param-gather needs TransformerEngine" in fp8_te_missing
+        )
+        assert "--transformer-impl local" in te_missing  # the way out
     for flag, message in refusals.items():
         expected = {"mbs": "--micro-batch-size", "fsdp": "--balance lb_mini"}.get(flag, flag)
         assert expected in message, (flag, message)
+
+
+def test_fp8_param_gather_passes_validation_only_for_the_odc_engine(fake_results) -> None:
+    fp8_args = fake_results[0]["flags"]["fp8_args"]
+    for backend in ("odc", "fsdp"):
+        # the flag is never flipped (Megatron-LM prints it during validation); only grad mode is off
+        assert fp8_args[backend] == (True, (True, False), "hybrid"), fp8_args
+    assert fp8_args["grad_mode_after"] is True
+    assert "only supported with distributed optimizer" in fp8_args["stock"], fp8_args
+    assert fp8_args["distopt"] == "hybrid", fp8_args
 
 
 def test_get_model_swaps_ddp_only_while_it_runs(fake_results) -> None:
@@ -564,7 +633,7 @@ def test_version_refusal_and_revert(fake_results) -> None:
         assert "get_forward_backward_func" in res["refuse_signature"]
         assert res["clean_after_refusal"]
         assert all(res["restored"].values()), res["restored"]
-        assert len(res["patched"]) == 6
+        assert len(res["patched"]) == 8
         assert res["cpu_shims"] == (True, "torch.cuda.FloatTensor", 1)
         assert res["cpu_reverted"] == (True, "torch.FloatTensor", True, True)
 
@@ -673,3 +742,51 @@ def test_pretrain_gpt_save_and_resume_odc(tmp_path) -> None:
     # second one prints the mean of both (the uninterrupted run's iteration 2 does the same).
     assert resumed[5] == pytest.approx((full[4] + full[5]) / 2, rel=1e-6), (resumed, full)
     assert resumed[6] == pytest.approx(full[6], rel=1e-6), (resumed, full)
+
+
+_REAL_VALIDATE = """
+import json, os, shlex, sys
+sys.path.append(os.environ["MEGATRON_LM_PATH"])
+from megatron_odc import fp8
+from megatron_odc.patches.megatron_lm import apply_megatron_lm_patches
+fp8.require_transformer_engine = lambda feature: None  # flags only: no TE layer is built here
+apply_megatron_lm_patches(cpu=True)
+from megatron.training import arguments
+sys.argv = ["pretrain_gpt.py", *shlex.split(sys.argv[1])]
+args = arguments.parse_args()
+try:
+    arguments.validate_args(args, {})
+except AssertionError as exc:
+    print(json.dumps({"refused": str(exc)}))
+    raise SystemExit(0)
+config = arguments.core_transformer_config_from_args(args)
+print(json.dumps({"fp8_param": config.fp8_param, "fp8": config.fp8, "flag": args.fp8_param_gather,
+                  "distopt": args.use_distributed_optimizer}))
+"""
+
+
+@pytest.mark.skipif(not os.environ.get("MEGATRON_LM_PATH"), reason="needs MEGATRON_LM_PATH")
+@pytest.mark.parametrize("backend", ["odc", "fsdp", "ddp"])
+def test_real_validate_args_lets_fp8_params_through_for_the_odc_engine(backend, tmp_path) -> None:
+    """Megatron-LM's own validate_args: FP8 parameters reach the model config under odc/fsdp only."""
+    import json
+
+    argv = " ".join(E2E_ARGS).replace(
+        "--transformer-impl local", "--transformer-impl transformer_engine"
+    )
+    argv += f" --bf16 --fp8-format hybrid --fp8-param-gather --dp-backend {backend}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": "0", "WORLD_SIZE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _REAL_VALIDATE, argv],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if backend == "ddp":  # Megatron-LM's own rule stands for its own backends
+        assert "only supported with distributed optimizer" in result["refused"], result
+    else:
+        assert result == {"fp8_param": True, "fp8": "hybrid", "flag": True, "distopt": False}

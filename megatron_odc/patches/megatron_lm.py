@@ -7,7 +7,10 @@ section 3.5):
 
 1. ``megatron.training.arguments.parse_args`` and its by-name binding in ``megatron.training.initialize``:
    compose :func:`add_odc_args` with the caller's ``extra_args_provider``; after parsing,
-   :func:`postprocess_odc_args` (per-token loss, ``tp_only_amax_red``, refusals).
+   :func:`postprocess_odc_args` (per-token loss, ``tp_only_amax_red``, refusals). Likewise
+   ``validate_args`` (both bindings): for odc/fsdp with ``--fp8-param-gather`` it runs without grad
+   mode, which is what its distributed-optimizer assertion allows (``OdcOptimizer`` re-quantises
+   FP8 parameters itself).
 2. ``megatron.training.training.get_model``: while it runs with ``--dp-backend odc`` (or ``fsdp``: the
    same engine over the lockstep collective transport), the module global ``DDP`` is a factory that
    builds ``OdcDataParallel`` with an ``OdcConfig`` (DDP's fields plus the ``--odc-*`` flags); the
@@ -71,6 +74,8 @@ _MISSING = object()
 EXPECTED_SIGNATURES: dict[tuple[str, str], tuple[str, ...]] = {
     ("megatron.training.arguments", "parse_args"): ("extra_args_provider", "ignore_unknown_args"),
     ("megatron.training.initialize", "parse_args"): ("extra_args_provider", "ignore_unknown_args"),
+    ("megatron.training.arguments", "validate_args"): ("args", "defaults"),
+    ("megatron.training.initialize", "validate_args"): ("args", "defaults"),
     ("megatron.training.training", "get_model"): (
         "model_provider_func",
         "model_type",
@@ -189,12 +194,6 @@ def postprocess_odc_args(args: argparse.Namespace) -> argparse.Namespace:
         ("use_distributed_optimizer", "--use-distributed-optimizer"),
         ("overlap_grad_reduce", "--overlap-grad-reduce"),
         ("overlap_param_gather", "--overlap-param-gather"),
-        # Megatron-LM's validate_args accepts FP8 parameters only with its distributed optimizer or
-        # FSDP; the plugin's own entry trains them under ODC (python -m megatron_odc.train).
-        (
-            "fp8_param_gather",
-            "--fp8-param-gather (use python -m megatron_odc.train for FP8 parameters)",
-        ),
     )
     for attr, flag in refusals:
         value = getattr(args, attr, None)
@@ -242,10 +241,67 @@ def postprocess_odc_args(args: argparse.Namespace) -> argparse.Namespace:
             )
     args.calculate_per_token_loss = True
     args.tp_only_amax_red = True
+    _check_te_and_fp8_args(args)
     args.use_distributed_optimizer = False
     args.overlap_grad_reduce = False
     args.overlap_param_gather = False
     return args
+
+
+def _check_te_and_fp8_args(args: argparse.Namespace) -> None:
+    """Refuse TE / FP8 flags ODC cannot run, at parse time rather than when the model is built.
+
+    Megatron-LM's ``--fp8-format`` is stored as ``args.fp8``. The rules are the plugin entry's: TE
+    layers (Megatron-LM's default ``--transformer-impl``) and FP8 need an importable TransformerEngine
+    (:func:`megatron_odc.fp8.check_te_request`), FP8 parameters need TE layers, and the recipe rules of
+    :func:`megatron_odc.fp8.check_fp8_recipe` (which ``OdcDataParallel`` applies to the model config).
+    """
+    from megatron_odc.fp8 import check_fp8_recipe, check_te_request
+
+    fp8 = getattr(args, "fp8", None)
+    fp8_param = bool(getattr(args, "fp8_param_gather", False))
+    impl = getattr(args, "transformer_impl", "transformer_engine")
+    if fp8_param and fp8 and impl != "transformer_engine":
+        raise ValueError(
+            f"--fp8-param-gather needs --transformer-impl transformer_engine (got {impl}): FP8 "
+            "parameters are TransformerEngine Float8Tensors"
+        )
+    recipe = getattr(args, "fp8_recipe", "delayed")
+    check_fp8_recipe(
+        argparse.Namespace(
+            fp8=fp8, fp8_recipe=recipe, tp_only_amax_red=args.tp_only_amax_red, fp8_param=fp8_param
+        )
+    )
+    check_te_request(transformer_impl=impl, fp8=fp8, fp8_param=fp8_param)
+
+
+def _wrap_validate_args(original: Callable) -> Callable:
+    """``validate_args`` that lets ``--fp8-param-gather`` through for the ODC engine's backends.
+
+    ``core_v0.16.1`` asserts the flag needs its distributed optimizer (the only optimizer of its own
+    that re-quantises FP8 parameters from sharded masters) unless grad mode is off, its escape for
+    inference. ``OdcOptimizer`` does that re-quantisation for ODC, so for ``--dp-backend odc`` /
+    ``fsdp`` with the flag set, validation runs under ``torch.no_grad()``: the assertion is the only
+    place ``validate_args`` reads grad mode, and the flag itself is never touched (Megatron-LM prints it
+    and ``core_transformer_config_from_args`` turns it into ``fp8_param``).
+    """
+
+    @functools.wraps(original)
+    def validate_args(args, defaults={}):  # noqa: B006 - Megatron-LM's own signature and default
+        backend = getattr(args, "dp_backend", None)
+        if backend not in ODC_ENGINE_BACKENDS or not getattr(args, "fp8_param_gather", False):
+            return original(args, defaults)
+        with torch.no_grad():
+            result = original(args, defaults)
+        logger.info(
+            "--fp8-param-gather with --dp-backend %s: ODC shards, fetches and re-quantises the FP8 "
+            "parameters (Megatron-LM's distributed-optimizer requirement does not apply)",
+            backend,
+        )
+        return result
+
+    validate_args.__megatron_odc_original__ = original
+    return validate_args
 
 
 # --------------------------------------------------------------------------- version guard
@@ -765,6 +821,8 @@ def apply_megatron_lm_patches(*, cpu: bool = False) -> MegatronLmPatches:
         wrapped_parse = _wrap_parse_args(arguments.parse_args)
         handle._patch(arguments, "parse_args", wrapped_parse)
         handle._patch(initialize, "parse_args", _wrap_parse_args(initialize.parse_args))
+        handle._patch(arguments, "validate_args", _wrap_validate_args(arguments.validate_args))
+        handle._patch(initialize, "validate_args", _wrap_validate_args(initialize.validate_args))
         handle._patch(training, "get_model", _wrap_get_model(training.get_model, training))
         handle._patch(
             training,
