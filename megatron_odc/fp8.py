@@ -198,8 +198,8 @@ class EmulatedFloat8Tensor(torch.Tensor):
     Any torch op sees the dequantised values in the logical ``dtype``, so it drops into any module as a
     parameter (``torch.nn.Parameter(EmulatedFloat8Tensor.from_float(w), requires_grad=True)``) and its
     gradient is an ordinary tensor. ``detach`` shares the bytes; ``copy_`` re-quantises (``quantize_``);
-    other in-place ops and moves to another device are refused (they would silently work on a plain
-    copy): create it on its device. It stands in for TransformerEngine's
+    a move to another device (``Module.to(device)``, ``.cuda()``) moves the bytes and the scale; other
+    in-place ops are refused (they would silently work on a plain copy). It stands in for TransformerEngine's
     ``Float8Tensor`` where TE is missing: the engine's FP8 path (sharded bytes, fetch, re-quantise with a
     DP-wide amax) is the same for both.
     """
@@ -277,18 +277,39 @@ class EmulatedFloat8Tensor(torch.Tensor):
                 "copy_ / quantize_ (re-quantised), or work on dequantize()"
             )
         if func is torch.ops.aten._to_copy.default and isinstance(args[0], EmulatedFloat8Tensor):
-            device = (kwargs or {}).get("device")
-            if device is not None and torch.device(device) != args[0].device:
-                # Module.to / .cuda() would silently swap the FP8 weight for a plain copy.
-                raise ValueError(
-                    "an EmulatedFloat8Tensor does not move between devices; create it where it "
-                    "lives (call emulate_fp8_weights after moving the model)"
-                )
+            moved = _moved(args[0], kwargs or {})
+            if moved is not None:
+                return moved
 
         def unwrap(x: Any) -> Any:
             return x.dequantize() if isinstance(x, EmulatedFloat8Tensor) else x
 
         return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+
+
+def _moved(src: EmulatedFloat8Tensor, kwargs: dict[str, Any]) -> EmulatedFloat8Tensor | None:
+    """``src`` on ``kwargs["device"]`` (bytes and scale moved, still FP8); None if it stays put.
+
+    ``Module.to(device)`` / ``.cuda()`` keep the weight FP8. A move that also changes the logical dtype
+    is refused: it would swap the FP8 weight for a plain copy (``.to(dtype)`` alone reads the values).
+    """
+    device = kwargs.get("device")
+    if device is None or torch.device(device) == src.device:
+        return None
+    dtype = kwargs.get("dtype")
+    if dtype is not None and dtype != src.dtype:
+        raise ValueError(
+            f"an EmulatedFloat8Tensor moves between devices in its own dtype ({src.dtype}); "
+            f"moving it to {device} as {dtype} would replace the FP8 weight with a plain copy: "
+            "move the model first, then convert dtypes"
+        )
+    non_blocking = bool(kwargs.get("non_blocking", False))
+    return EmulatedFloat8Tensor(
+        src._data.to(device, non_blocking=non_blocking),
+        src._scale_inv.to(device, non_blocking=non_blocking),
+        src.dtype,
+        src.fmt,
+    )
 
 
 class EmulatedFloat8Codec:

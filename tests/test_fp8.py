@@ -277,12 +277,28 @@ def test_odc_wrapper_refuses_fp8_settings_that_would_deadlock() -> None:
         _validate(blockwise_params, OdcConfig())
 
 
-def test_emulated_float8_weight_refuses_to_move_devices() -> None:
+def test_emulated_float8_weight_moves_devices_as_fp8() -> None:
     linear = torch.nn.Linear(3, 2, bias=False)
-    linear.weight = torch.nn.Parameter(
-        EmulatedFloat8Tensor.from_float(linear.weight.detach()), requires_grad=True
-    )
-    with pytest.raises(ValueError, match="does not move between devices"):
-        linear.to("meta")
-    assert isinstance(linear.weight, EmulatedFloat8Tensor)  # still the FP8 weight
+    weight = EmulatedFloat8Tensor.from_float(linear.weight.detach(), fmt="e5m2")
+    linear.weight = torch.nn.Parameter(weight, requires_grad=True)
+    with pytest.raises(ValueError, match="moves between devices in its own dtype"):
+        linear.to("meta", torch.bfloat16)  # would swap the FP8 weight for a plain bf16 copy
+    assert isinstance(linear.weight, EmulatedFloat8Tensor)
+    assert linear.weight.device.type == "cpu"
     assert linear.weight.float().dtype == torch.float32  # a dtype conversion reads the values
+    linear.to("meta")  # Module.to(device): still FP8, bytes and scale moved with it
+    moved = linear.weight
+    assert isinstance(moved, EmulatedFloat8Tensor)
+    assert isinstance(moved, torch.nn.Parameter)
+    assert (moved.device.type, moved._data.device.type, moved._scale_inv.device.type) == (
+        "meta",
+    ) * 3
+    assert (moved.dtype, moved._data.dtype, moved.fmt, moved.requires_grad) == (
+        torch.float32,
+        torch.uint8,
+        "e5m2",
+        True,
+    )
+    assert moved._data.shape == weight._data.shape
+    again = moved.to("meta")  # no move: the tensor itself
+    assert again is moved
