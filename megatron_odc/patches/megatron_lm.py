@@ -251,10 +251,12 @@ def postprocess_odc_args(args: argparse.Namespace) -> argparse.Namespace:
 def _check_te_and_fp8_args(args: argparse.Namespace) -> None:
     """Refuse TE / FP8 flags ODC cannot run, at parse time rather than when the model is built.
 
-    Megatron-LM's ``--fp8-format`` is stored as ``args.fp8``. The rules are the plugin entry's: TE
-    layers (Megatron-LM's default ``--transformer-impl``) and FP8 need an importable TransformerEngine
-    (:func:`megatron_odc.fp8.check_te_request`), FP8 parameters need TE layers, and the recipe rules of
-    :func:`megatron_odc.fp8.check_fp8_recipe` (which ``OdcDataParallel`` applies to the model config).
+    Megatron-LM's ``--fp8-format`` is stored as ``args.fp8``. FP8 parameters need TE layers; TE layers
+    (Megatron-LM's default ``--transformer-impl``) and FP8 need an importable TransformerEngine
+    (:func:`megatron_odc.fp8.check_te_request`); and the recipe rules of
+    :func:`megatron_odc.fp8.check_fp8_recipe` apply (``OdcDataParallel`` applies them again to the
+    model config). Unlike the plugin entry, FP8 compute with ``--transformer-impl local`` is left to
+    Megatron-LM.
     """
     from megatron_odc.fp8 import check_fp8_recipe, check_te_request
 
