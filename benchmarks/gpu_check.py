@@ -500,6 +500,12 @@ def _max_param_rel_err(got: dict, ref: dict) -> float:
     return worst
 
 
+def _fraction_differing(got: dict, ref: dict) -> float:
+    """The fraction of parameter elements whose values differ at all."""
+    differing = sum(int((got[n].view(want.shape) != want).sum()) for n, want in ref.items())
+    return differing / max(sum(want.numel() for want in ref.values()), 1)
+
+
 def _run_parity(rank: int, world_size: int, steps: int) -> dict:
     """bf16 GPT: ODC over the CUDA transport (atomic; deterministic twice) against megatron-core DDP."""
     from megatron.core import parallel_state
@@ -522,6 +528,8 @@ def _run_parity(rank: int, world_size: int, steps: int) -> dict:
         "det_losses": det[0]["losses"],
         "param_rel_err": _max_param_rel_err(atomic["state"], ddp["state"]),
         "det_param_rel_err": _max_param_rel_err(det[0]["state"], ddp["state"]),
+        "param_frac_differing": _fraction_differing(atomic["state"], ddp["state"]),
+        "det_param_frac_differing": _fraction_differing(det[0]["state"], ddp["state"]),
         "det_bitwise_repeat": det[0]["losses"] == det[1]["losses"]
         and all(torch.equal(det[0]["state"][k], det[1]["state"][k]) for k in det[0]["state"]),
     }

@@ -74,9 +74,15 @@ def test_cpu_rehearsal_runs_every_check_and_passes(tmp_path: Path) -> None:
     assert all(" PASS " in row for row in rows.values()), result.stdout
     numbers = json.loads(out.read_text())
     parity = numbers["parity w=2 odc vs ddp"]["extra"]
-    # The CPU oracle is exact, far inside the bf16 tolerance the GPU is held to.
-    assert parity["param_rel_err"] < 1e-6
-    assert parity["det_param_rel_err"] < 1e-6
+    # On CPU the losses are bitwise megatron-core DDP's. The bf16 parameters may differ in a few
+    # elements: oneDNN chooses GEMM kernels by buffer alignment, and ODC's unsharded buffers are not
+    # DDP's, so a few sums round differently (seen on one of two machines: 12 of 51k elements, tensor
+    # norms within 1.1e-3). A real error (a lost push, a wrong scale) changes nearly every element.
+    assert parity["odc_losses"] == parity["ddp_losses"]
+    assert parity["det_losses"] == parity["ddp_losses"]
+    for prefix in ("", "det_"):
+        assert parity[f"{prefix}param_frac_differing"] < 1e-3, parity
+        assert parity[f"{prefix}param_rel_err"] < 1e-2, parity
     assert parity["det_bitwise_repeat"] is True
     assert len(parity["ddp_losses"]) == 3
     correctness = numbers["correctness w=2"]["extra"]["results"]
