@@ -20,7 +20,7 @@ parity w=2          a bf16 megatron-core GPT (local spec) trained 3 steps with m
                     deterministic mode against megatron-core DDP; losses and final parameters within bf16
                     tolerance; deterministic mode bitwise equal across two runs
 fp8 emulated w=2    ``EmulatedFloat8Tensor`` MLP weights (FP8 bytes sharded, fetched, re-quantised with a
-                    DP-wide amax) trained by ODC on the GPU against ``tests/test_fp8_params.py``'s
+                    DP-wide amax) trained by ODC on the GPU against ``tests/mcore/test_fp8_params.py``'s
                     one-process oracle, run on the GPU too
 te fp8 w=2          if TransformerEngine imports: TE-spec GPT with ``fp8=hybrid`` (tensorwise), 3 steps:
                     DDP with bf16 parameters, ODC with bf16 parameters, ODC with FP8 parameters
@@ -112,7 +112,7 @@ def _child(fn, rank, world_size, args, store, result_path, rehearsal) -> None:
         try:
             with contextlib.ExitStack() as undo:
                 if rehearsal:  # megatron-core's CPU runtime, and host memory as the "GPU"
-                    from megatron_odc.patches.cpu import apply_cpu_patches
+                    from megatron_odc.integration.cpu import apply_cpu_patches
                     from tests._fake_cuda import install_fake_cuda
 
                     undo.callback(apply_cpu_patches().revert)
@@ -284,7 +284,7 @@ def _run_correctness(rank: int, world_size: int, modes: list[str], fence_via: st
 
 def _overlap_round(t, rank: int, world_size: int, n: int, mode: str) -> list[str]:
     """Fetch / compute / push of 4 buckets through ``OverlapSchedule`` on CUDA streams."""
-    from megatron_odc.transport.streams import BucketWork, OverlapSchedule, TorchStreams
+    from megatron_odc.core.streams import BucketWork, OverlapSchedule, TorchStreams
 
     g = t.local("g")
     g.zero_()
@@ -404,8 +404,8 @@ def _train(
     batches = batches or functools.partial(_gpt_batches, cfg)
     from megatron.core.transformer.module import Float16Module
 
-    from megatron_odc.backends import build_backend
-    from megatron_odc.step import train_step
+    from megatron_odc.mcore.backends import build_backend
+    from megatron_odc.mcore.step import train_step
     from tests._megatron import _forward_step
 
     model = build_model()
@@ -444,7 +444,7 @@ def _train(
 
 
 def _gpt_config(**overrides):
-    from megatron_odc.model import GPTConfig
+    from megatron_odc.mcore.model import GPTConfig
 
     kw = {
         "num_layers": 2,
@@ -474,7 +474,7 @@ def _adam(cfg):
 
 
 def _local_gpt(cfg, seed: int) -> Callable:
-    from megatron_odc.model import build_gpt_model
+    from megatron_odc.mcore.model import build_gpt_model
 
     return lambda: build_gpt_model(cfg, seed).to(_device())
 
@@ -540,7 +540,7 @@ def _run_fp8_emulated(rank: int, world_size: int) -> dict:
     from megatron.core import parallel_state
     from megatron.core.optimizer import OptimizerConfig
 
-    from tests import test_fp8_params as cpu_test
+    from tests.mcore import test_fp8_params as cpu_test
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     try:
@@ -600,8 +600,8 @@ def _te_gpt(cfg, seed: int, fp8_params: bool) -> Callable:
         )
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-        from megatron_odc.fp8 import check_fp8_recipe, check_te_request
-        from megatron_odc.model import transformer_config
+        from megatron_odc.core.fp8 import check_fp8_recipe, check_te_request
+        from megatron_odc.mcore.model import transformer_config
 
         check_te_request(transformer_impl="transformer_engine", fp8="hybrid", fp8_param=fp8_params)
         model_parallel_cuda_manual_seed(seed)
@@ -677,7 +677,7 @@ def _check_parity(args) -> tuple[bool, str, dict]:
 
 
 def _check_fp8_emulated(args) -> tuple[bool, str, dict]:
-    from megatron_odc.fp8 import quantization_error_bound
+    from megatron_odc.core.fp8 import quantization_error_bound
 
     results = run_world(_run_fp8_emulated, 2, timeout_s=args.timeout_s)
     oracle_losses, oracle_values = results[0]["oracle"]
@@ -703,7 +703,7 @@ def _check_fp8_emulated(args) -> tuple[bool, str, dict]:
 
 
 def _check_te_fp8(args) -> tuple[bool, str, dict]:
-    from megatron_odc.fp8 import transformer_engine_available
+    from megatron_odc.core.fp8 import transformer_engine_available
 
     if not transformer_engine_available():
         return True, "TransformerEngine not importable here", {"skipped": True}
@@ -785,9 +785,9 @@ def _table(rows: list[tuple[str, str, str]]) -> str:
 
 
 def _dry_run(args: argparse.Namespace) -> int:
-    import megatron_odc.fp8
+    import megatron_odc.core.fp8
+    import megatron_odc.core.streams
     import megatron_odc.transport.cuda as cuda_transport
-    import megatron_odc.transport.streams
 
     for fn in RANK_FUNCTIONS:
         pickle.dumps(fn)
@@ -803,11 +803,11 @@ def _dry_run(args: argparse.Namespace) -> int:
         )
         from megatron.core.transformer.module import Float16Module  # noqa: F401
 
-        from megatron_odc.backends import build_backend  # noqa: F401
-        from megatron_odc.fp8 import check_fp8_recipe, quantization_error_bound  # noqa: F401
-        from megatron_odc.model import GPTConfig, build_gpt_model, transformer_config  # noqa: F401
-        from megatron_odc.step import train_step  # noqa: F401
-        from tests import test_fp8_params  # noqa: F401
+        from megatron_odc.core.fp8 import check_fp8_recipe, quantization_error_bound  # noqa: F401
+        from megatron_odc.mcore.backends import build_backend  # noqa: F401
+        from megatron_odc.mcore.model import GPTConfig, build_gpt_model, transformer_config  # noqa: F401
+        from megatron_odc.mcore.step import train_step  # noqa: F401
+        from tests.mcore import test_fp8_params  # noqa: F401
         from tests._megatron import _forward_step, make_batch  # noqa: F401
 
         megatron_state = "importable"
@@ -823,7 +823,7 @@ def _dry_run(args: argparse.Namespace) -> int:
         f"dry run: torch {torch.__version__}, cuda available {torch.cuda.is_available()}\n"
         f"symm_mem: {', '.join(cuda_transport.describe_features(feats))}\n"
         f"triton: {triton_state}; megatron-core: {megatron_state}; TransformerEngine: "
-        f"{'importable' if megatron_odc.fp8.transformer_engine_available() else 'not importable'}\n"
+        f"{'importable' if megatron_odc.core.fp8.transformer_engine_available() else 'not importable'}\n"
         + "".join(f"would run: {name}\n" for name in names)
     )
     return 0

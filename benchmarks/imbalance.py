@@ -166,7 +166,7 @@ def build_model(seed: int, seq_length: int, dtype: str = "fp32") -> torch.nn.Mod
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.module import Float16Module
 
-    from megatron_odc.model import GPTConfig, transformer_config
+    from megatron_odc.mcore.model import GPTConfig, transformer_config
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not one of {sorted(DTYPES)}")
@@ -408,7 +408,7 @@ def _make_forward_step(probe: Probe):
 def _build_all(seq_length: int, dtype: str) -> dict[str, tuple[torch.nn.Module, Any, Probe]]:
     from megatron.core.optimizer import OptimizerConfig
 
-    from megatron_odc.backends import build_backend
+    from megatron_odc.mcore.backends import build_backend
 
     built = {}
     for backend in ("fsdp", "odc", "ddp"):
@@ -427,7 +427,7 @@ def _build_all(seq_length: int, dtype: str) -> dict[str, tuple[torch.nn.Module, 
 
 
 def _one_step(built, backend: str, microbatches, seq_length: int) -> dict[str, Any]:
-    from megatron_odc.step import train_step
+    from megatron_odc.mcore.step import train_step
 
     wrapped, optimizer, probe = built[backend]
     probe.reset()
@@ -481,7 +481,7 @@ def _rank_main(rank: int, world_size: int, settings: dict, result_path: str) -> 
     """One rank: build the three backends, run every cell interleaved, rank 0 pickles the results."""
     from megatron.core import parallel_state
 
-    from megatron_odc.patches.cpu import apply_cpu_patches
+    from megatron_odc.integration.cpu import apply_cpu_patches
 
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
@@ -765,7 +765,7 @@ def calibrate(lengths: Sequence[int], dtype: str, repeats: int = 5) -> dict:
 def _calibrate_main(settings: dict, out_dir: str) -> None:
     from megatron.core import parallel_state
 
-    from megatron_odc.patches.cpu import apply_cpu_patches
+    from megatron_odc.integration.cpu import apply_cpu_patches
 
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")

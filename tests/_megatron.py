@@ -31,14 +31,14 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-from megatron_odc.model import GPTConfig
-from megatron_odc.patches.cpu import (
+from megatron_odc.integration.cpu import (
     CpuPatches,
     active_cpu_patches,
     apply_cpu_patches,
     cuda_type_names,
 )
-from megatron_odc.train import per_token_loss
+from megatron_odc.mcore.model import GPTConfig
+from megatron_odc.runner.trainer import per_token_loss
 
 SMALL_GPT = {
     "num_layers": 2,

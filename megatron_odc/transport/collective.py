@@ -18,13 +18,13 @@ import logging
 import torch
 import torch.distributed as dist
 
-from megatron_odc.devices import collective_device
 from megatron_odc.transport.base import (
     BufferSpec,
     Transport,
     TransportError,
     check_same_registration,
 )
+from megatron_odc.transport.devices import collective_device
 
 logger = logging.getLogger(__name__)
 

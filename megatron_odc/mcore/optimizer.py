@@ -1,0 +1,342 @@
+"""The sharded mixed-precision optimizer over ODC's owned shards, with Megatron's optimizer surface.
+
+``OdcOptimizer`` keeps, for every bucket, an fp32 *main* shard of the elements this DP rank owns and the
+inner optimizer's state (Adam: two more fp32 tensors) for those elements only. Each owned piece of a
+parameter becomes one optimizer tensor (a view into the main shard) whose ``.grad`` is a view into the
+bucket's fp32 gradient accumulator, so the param groups of megatron-core's ``_get_param_groups`` (weight
+decay and lr multipliers, what ``OptimizerParamScheduler`` reads) apply per parameter as in Megatron.
+
+``step()`` = unscale and check for inf/nan (fp16; every rank agrees through one all-reduce), global grad
+norm over the owned pieces summed over DP and TP without double-counting TP-duplicated or shared params,
+clipping, the inner step, then writing the compute-dtype shard that peers fetch next minibatch (FP8
+parameters: the engine's codec re-quantises the owned bytes, with one DP-wide amax reduction). It returns
+``(success, grad_norm, num_zeros)`` like ``MegatronOptimizer.step``. Gradients are read where the owners
+accumulated them; nothing is copied per parameter. Everything lives on the engines' device; the scalar
+reductions run on the process group's device.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.optimizer import OptimizerConfig
+from megatron.core.optimizer import _get_param_groups as megatron_param_groups
+from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+from megatron.core.optimizer.optimizer import MegatronOptimizer
+from megatron.core.tensor_parallel import copy_tensor_model_parallel_attributes
+
+from megatron_odc.core.engine import ODCEngine
+from megatron_odc.transport.devices import all_reduce_on_group_device
+
+logger = logging.getLogger(__name__)
+
+
+def _param_is_counted_in_norm(param: torch.nn.Parameter, tp_rank: int) -> bool:
+    """Whether a parameter's gradient counts in the global norm on this rank (Megatron's filters)."""
+    if getattr(param, "shared", False):
+        return False
+    return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
+
+
+class OdcOptimizer(MegatronOptimizer):
+    """Adam (or SGD) over the owned shards of every ODC-wrapped model chunk.
+
+    Args:
+        config: megatron-core ``OptimizerConfig`` (optimizer, lr, weight decay, Adam betas/eps, clip_grad,
+            fp16/bf16 and loss-scale fields, ``log_num_zeros_in_grad``).
+        model_chunks: ``OdcDataParallel`` instances (they expose ``engine``).
+        config_overrides: per-parameter overrides, as for ``get_megatron_optimizer``.
+        grad_stats_group: group over which grad norms, zero counts and inf flags are reduced; default
+            the whole world (each element is owned by exactly one DP rank of each TP rank).
+    """
+
+    def __init__(
+        self,
+        config: OptimizerConfig,
+        model_chunks: list,
+        config_overrides: dict | None = None,
+        grad_stats_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        if config.optimizer not in ("adam", "sgd"):
+            raise ValueError(
+                f"--optimizer {config.optimizer!r} is not supported by the ODC optimizer (adam, sgd)"
+            )
+        if config.use_distributed_optimizer:
+            raise ValueError(
+                "--use-distributed-optimizer does not combine with --dp-backend odc: ODC already "
+                "shards parameters, gradients and optimizer state"
+            )
+        if config.use_precision_aware_optimizer:
+            raise ValueError(
+                "--use-precision-aware-optimizer is not supported with --dp-backend odc"
+            )
+        self.model_chunks = list(model_chunks)
+        self.engines: list[ODCEngine] = [chunk.engine for chunk in self.model_chunks]
+        self.grad_stats_parallel_group = grad_stats_group or dist.group.WORLD
+        self.tp_rank = (
+            parallel_state.get_tensor_model_parallel_rank()
+            if parallel_state.model_parallel_is_initialized()
+            else 0
+        )
+        groups = megatron_param_groups(self.model_chunks, config, config_overrides)
+        group_of_param = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
+
+        # fp32 main shards (one flat tensor per bucket) and the optimizer's per-piece views.
+        self._main_shards: list[list[torch.Tensor]] = []
+        self._pieces: list[tuple[torch.nn.Parameter, ODCEngine, int, int, int]] = []
+        pieces_by_group: list[list[torch.nn.Parameter]] = [[] for _ in groups]
+        for engine in self.engines:
+            params = dict(engine.parameters())
+            mains = []
+            for bucket in engine.layout.buckets:
+                shard = engine.param_shard(bucket.index)
+                if bucket.dtype == torch.uint8:  # FP8 bytes: the master starts from their values
+                    mains.append(
+                        torch.zeros(shard.numel(), dtype=torch.float32, device=shard.device)
+                    )
+                else:
+                    mains.append(shard.detach().to(torch.float32).clone())
+            for owned in engine.owned_pieces():
+                model_param = params[owned.name]
+                main = mains[owned.bucket_index]
+                lo, hi = owned.shard_lo, owned.shard_hi
+                if owned.name in engine.fp8_names:
+                    main[lo:hi] = engine.fp8_codec.master_values(
+                        model_param,
+                        owned.param_start,
+                        engine.param_shard(owned.bucket_index)[lo:hi],
+                    )
+                if not model_param.requires_grad:
+                    continue
+                piece = torch.nn.Parameter(main[lo:hi])
+                piece.grad = engine.grad_shard(owned.bucket_index)[lo:hi]
+                copy_tensor_model_parallel_attributes(piece, model_param)
+                if getattr(model_param, "shared", False):
+                    piece.shared = True
+                piece.odc_name = owned.name
+                piece.odc_counted_in_norm = _param_is_counted_in_norm(model_param, self.tp_rank)
+                pieces_by_group[group_of_param[id(model_param)]].append(piece)
+                self._pieces.append((piece, engine, owned.bucket_index, lo, hi))
+            self._main_shards.append(mains)
+
+        inner_groups = []
+        for group, pieces in zip(groups, pieces_by_group):
+            inner = {k: v for k, v in group.items() if k != "params"}
+            inner["params"] = pieces
+            inner_groups.append(inner)
+        if config.optimizer == "adam":
+            adam_cls = torch.optim.AdamW if config.decoupled_weight_decay else torch.optim.Adam
+            inner_opt = adam_cls(
+                inner_groups,
+                lr=config.lr,
+                weight_decay=config.weight_decay,
+                betas=(config.adam_beta1, config.adam_beta2),
+                eps=config.adam_eps,
+            )
+        else:
+            inner_opt = torch.optim.SGD(
+                inner_groups,
+                lr=config.lr,
+                weight_decay=config.weight_decay,
+                momentum=config.sgd_momentum,
+            )
+        super().__init__(inner_opt, config)
+        self.is_stub_optimizer = False
+
+        if config.fp16:
+            if config.loss_scale:
+                self.grad_scaler = ConstantGradScaler(config.loss_scale)
+            else:
+                self.grad_scaler = DynamicGradScaler(
+                    initial_scale=config.initial_loss_scale,
+                    min_scale=config.min_loss_scale,
+                    growth_factor=2.0,
+                    backoff_factor=0.5,
+                    growth_interval=config.loss_scale_window,
+                    hysteresis=config.hysteresis,
+                )
+        elif config.bf16 and config.loss_scale:
+            self.grad_scaler = ConstantGradScaler(config.loss_scale)
+        else:
+            self.grad_scaler = None
+        self.device = self.engines[0].device if self.engines else torch.device("cpu")
+        self._scale_one = torch.ones(1, dtype=torch.float32, device=self.device)
+
+    @property
+    def owned_pieces(self) -> list[tuple[torch.nn.Parameter, ODCEngine, int, int, int]]:
+        """``(optimizer tensor, engine, bucket index, lo, hi)`` per owned piece; ``[lo, hi)`` in the shard."""
+        return self._pieces
+
+    # ------------------------------------------------------------------ Megatron surface
+
+    def get_loss_scale(self) -> torch.Tensor:
+        """The current loss scale (1.0 without a scaler)."""
+        return self.grad_scaler.scale if self.grad_scaler is not None else self._scale_one
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Nothing to do: the accumulators are zeroed when the next minibatch begins."""
+
+    def _owned_grads(self) -> list[torch.Tensor]:
+        return [piece.grad for piece, *_ in self._pieces]
+
+    @torch.no_grad()
+    def prepare_grads(self) -> bool:
+        """Unscale the owned gradients (fp16); return whether any rank found inf/nan."""
+        if self.grad_scaler is None:
+            return False
+        found_inf = torch.zeros(1, dtype=torch.float32, device=self.device)
+        inv_scale = self.grad_scaler.inv_scale.to(device=self.device, dtype=torch.float32)
+        for grad in self._owned_grads():
+            grad.mul_(inv_scale)
+            found_inf = torch.maximum(found_inf, (~torch.isfinite(grad)).any().float())
+        all_reduce_on_group_device(found_inf, dist.ReduceOp.MAX, self.grad_stats_parallel_group)
+        found = bool(found_inf.item() > 0)
+        self.grad_scaler.update(found)
+        if found:
+            self._end_step()  # the step is skipped, but the minibatch still ends with its fence
+        return found
+
+    @torch.no_grad()
+    def get_grad_norm(self) -> float:
+        """L2 norm of the whole model's gradient (each element once, over DP and TP)."""
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for piece, *_ in self._pieces:
+            if piece.odc_counted_in_norm:
+                total += piece.grad.double().pow(2).sum()
+        all_reduce_on_group_device(total, group=self.grad_stats_parallel_group)
+        return float(total.sqrt())
+
+    @torch.no_grad()
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        """Compute the global grad norm and scale the owned gradients down to ``clip_grad``."""
+        grad_norm = self.get_grad_norm()
+        clip_coeff = clip_grad / (grad_norm + 1.0e-6)
+        if clip_coeff < 1.0:
+            for grad in self._owned_grads():
+                grad.mul_(clip_coeff)
+        return grad_norm
+
+    @torch.no_grad()
+    def count_zeros(self) -> float:
+        """Number of zero gradient elements over the whole model."""
+        total = torch.zeros(1, dtype=torch.float64, device=self.device)
+        for piece, *_ in self._pieces:
+            if piece.odc_counted_in_norm:
+                total += (piece.grad == 0).sum()
+        all_reduce_on_group_device(total, group=self.grad_stats_parallel_group)
+        return float(total)
+
+    @torch.no_grad()
+    def step_with_ready_grads(self) -> bool:
+        """Inner optimizer step, then write the compute-dtype shards peers will fetch."""
+        self.optimizer.step()
+        self._copy_main_params_to_model_params()
+        self._end_step()
+        return True
+
+    def _end_step(self) -> None:
+        """Zero the accumulators and fence: the new shards are visible before anyone fetches them."""
+        for engine in self.engines:
+            engine.end_step()
+
+    @torch.no_grad()
+    def step(self) -> tuple[bool, float | None, float | None]:
+        """One optimizer step; returns ``(update_successful, grad_norm, num_zeros_in_grad)``."""
+        if self.prepare_grads():
+            return False, None, None
+        if self.config.clip_grad > 0.0:
+            grad_norm = self.clip_grad_norm(self.config.clip_grad)
+        else:
+            grad_norm = self.get_grad_norm()
+        if not math.isfinite(grad_norm):
+            logger.warning("ODC optimizer: non-finite grad norm %s; the step still runs", grad_norm)
+        num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else 0
+        success = self.step_with_ready_grads()
+        return success, grad_norm, num_zeros
+
+    def _copy_main_params_to_model_params(self) -> None:
+        for engine, mains in zip(self.engines, self._main_shards):
+            for bucket, main in zip(engine.layout.buckets, mains):
+                if bucket.dtype != torch.uint8:
+                    engine.param_shard(bucket.index).copy_(main)
+            if engine.fp8_names:  # re-quantise the owned FP8 bytes (collective over DP)
+                fp8 = engine.fp8_names
+                engine.write_owned(
+                    lambda p, mains=mains, fp8=fp8: (
+                        mains[p.bucket_index][p.shard_lo : p.shard_hi] if p.name in fp8 else None
+                    )
+                )
+
+    def _copy_model_params_to_main_params(self, state_dict=None) -> None:
+        for engine, mains in zip(self.engines, self._main_shards):
+            for bucket, main in zip(engine.layout.buckets, mains):
+                if bucket.dtype != torch.uint8:
+                    main.copy_(engine.param_shard(bucket.index))
+            params = dict(engine.parameters())
+            for piece in engine.owned_pieces():
+                if piece.name in engine.fp8_names:
+                    lo, hi = piece.shard_lo, piece.shard_hi
+                    mains[piece.bucket_index][lo:hi] = engine.fp8_codec.dequantize_bytes(
+                        params[piece.name], engine.param_shard(piece.bucket_index)[lo:hi]
+                    )
+
+    def reload_model_params(self, state_dict=None) -> None:
+        """Refresh the fp32 main shards from the model's (compute-dtype) shards, e.g. after a load."""
+        self._copy_model_params_to_main_params(state_dict)
+
+    # ------------------------------------------------------------------ state
+
+    def persistent_nbytes(self) -> int:
+        """Bytes of the fp32 main shards and the inner optimizer's state."""
+        total = sum(m.nbytes for mains in self._main_shards for m in mains)
+        for state in self.optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.numel() > 1:
+                    total += value.nbytes
+        return total
+
+    def state_dict(self) -> dict:
+        """Inner optimizer state (owned pieces only), loss scaler and fp32 main shards."""
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
+            "main_shards": [[m.clone() for m in mains] for mains in self._main_shards],
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load what ``state_dict()`` returned on the same DP layout, or a dist-checkpoint load.
+
+        A dict with ``param_state`` is what ``dist_checkpointing.load`` returned for
+        :meth:`sharded_state_dict` (Megatron-LM's ``load_checkpoint``); it goes to
+        ``megatron_odc.checkpoint.load_odc_optimizer_state_dict``. Both forms are collective (fence).
+        """
+        if "param_state" in state_dict:
+            from megatron_odc.runner.checkpoint import load_odc_optimizer_state_dict
+
+            load_odc_optimizer_state_dict(self, state_dict)
+            return
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        for mains, saved in zip(self._main_shards, state_dict["main_shards"]):
+            for main, value in zip(mains, saved):
+                main.copy_(value)
+        for engine in self.engines:
+            engine.begin_shard_writes()  # peers may still be reading the current shards
+        self._copy_main_params_to_model_params()
+        self._end_step()  # collective: the loaded shards are visible to every rank
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
+        """The optimizer's torch_dist state: owned-slice boxes under DistOpt's fully-reshardable keys.
+
+        Built by ``megatron_odc.checkpoint.odc_optimizer_sharded_state_dict`` from this optimizer's
+        model chunk (``model_sharded_state_dict`` and ``kwargs``, e.g. Megatron-LM's ``metadata``,
+        are not needed). Collective when saving.
+        """
+        from megatron_odc.runner.checkpoint import odc_optimizer_sharded_state_dict
+
+        return odc_optimizer_sharded_state_dict(self, is_loading=is_loading)

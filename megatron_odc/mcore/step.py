@@ -1,0 +1,76 @@
+"""One training step on this rank's own number of microbatches (possibly zero), Megatron-style.
+
+``train_step`` runs megatron-core's forward-backward schedule over the rank's microbatches with the
+per-token loss contract (``config.calculate_per_token_loss``): each microbatch's loss is a token *sum*,
+``finalize_model_grads`` all-reduces the token count over DP and scales the gradients by its inverse, so
+ranks may run different numbers of microbatches and the result equals one process running them all. A rank
+with zero microbatches skips the schedule and calls ``finalize_model_grads`` itself with a zero count (the
+schedule cannot run zero microbatches). Works for every backend: ODC, FSDP, megatron-core DDP / distopt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_model_config
+
+from megatron_odc.transport.devices import collective_device
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizer: Any,
+    forward_step_func: Callable,
+    microbatches: Sequence[Any],
+    *,
+    seq_length: int,
+    micro_batch_size: int = 1,
+) -> dict[str, Any]:
+    """Zero the grad buffers, run this rank's microbatches, finalize, and step the optimizer.
+
+    Args:
+        model: the DP-wrapped model chunk.
+        optimizer: a Megatron optimizer (``step()`` returns ``(success, grad_norm, num_zeros)``).
+        forward_step_func: Megatron's ``forward_step_func(data_iterator, model)``.
+        microbatches: this rank's microbatches, consumed in order through an iterator.
+        seq_length: sequence length passed to the schedule.
+        micro_batch_size: micro batch size passed to the schedule.
+
+    Returns:
+        ``losses`` (the schedule's per-microbatch reports), ``update_successful``, ``grad_norm`` and
+        ``num_zeros_in_grad``.
+    """
+    config = get_model_config(model)
+    if not config.calculate_per_token_loss:
+        raise ValueError(
+            "uneven microbatch counts need --calculate-per-token-loss "
+            "(TransformerConfig.calculate_per_token_loss=True)"
+        )
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    if microbatches:
+        losses = get_forward_backward_func()(
+            forward_step_func=forward_step_func,
+            data_iterator=iter(microbatches),
+            model=[model],
+            num_microbatches=len(microbatches),
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            forward_only=False,
+        )
+    else:
+        losses = []
+        finalize = config.finalize_model_grads_func or finalize_model_grads
+        # megatron-core all-reduces the token count over DP: on the group's device (CUDA for NCCL).
+        finalize([model], torch.zeros([], dtype=torch.int, device=collective_device()))
+    update_successful, grad_norm, num_zeros = optimizer.step()
+    return {
+        "losses": losses,
+        "update_successful": update_successful,
+        "grad_norm": grad_norm,
+        "num_zeros_in_grad": num_zeros,
+    }

@@ -1,0 +1,549 @@
+"""Command-line arguments of ``python -m megatron_odc.train``: Megatron-LM's flag names plus ODC's flags.
+
+Owns :func:`build_parser` (the argparse parser: Megatron-LM's names and meanings for the flags it shares,
+defaults that give a tiny GPT that trains on two CPU cores) and :func:`validate_args` (every check that can
+fail before training starts, each raising ``ValueError`` with a message that names the offending flag).
+Imports neither torch nor megatron, so a bad command line fails in well under a second.
+
+[Note: balancing and backends]
+``--balance`` defaults to ``lb_mini`` (ODC's minibatch-level balancing: ranks may run different numbers of
+microbatches) for every backend except ``fsdp``. ``fsdp`` runs every bucket operation as a collective in
+lockstep, so every rank must run the same number of microbatches: its default is ``lb_micro`` (equal
+counts by construction), and an explicit ``--balance lb_mini|local_sort|round_robin`` with ``--dp-backend
+fsdp`` is refused, because those plans give unequal counts and the run would hang. ``ddp`` and
+``distopt`` reduce gradients once per minibatch, so they accept every plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import os
+
+from megatron_odc.core.fp8 import FP8_PARAM_RECIPES, transformer_engine_available
+
+DP_BACKENDS = ("odc", "fsdp", "ddp", "distopt")
+BALANCE_KINDS = ("lb_mini", "lb_micro", "local_sort", "round_robin")
+EQUAL_COUNT_BALANCE_KINDS = ("lb_micro",)
+"""Plans that give every DP rank the same number of microbatches (what ``fsdp`` needs)."""
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+TOKENIZER_TYPES = ("ByteTokenizer", "HuggingFaceTokenizer")
+DEFAULT_LR_WARMUP_ITERS = 3
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Returns the parser of ``python -m megatron_odc.train``.
+
+    Flags shared with Megatron-LM keep its names and meanings; the defaults describe the built-in tiny
+    CPU run (2 layers, hidden 64, 128 tokens, 40 iterations on a generated SFT set).
+    """
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_odc.train",
+        description=(
+            "Train a megatron-core GPT with the ODC data-parallel backend (run under torchrun). "
+            "With no flags: a tiny GPT on a generated SFT set, on CPU with gloo."
+        ),
+    )
+    model = parser.add_argument_group("model (Megatron-LM flags)")
+    model.add_argument("--num-layers", type=int, default=2, help="transformer layers")
+    model.add_argument("--hidden-size", type=int, default=64, help="model width")
+    model.add_argument(
+        "--ffn-hidden-size", type=int, default=None, help="MLP width (default 4 * hidden size)"
+    )
+    model.add_argument("--num-attention-heads", type=int, default=4, help="attention heads")
+    model.add_argument(
+        "--seq-length",
+        type=int,
+        default=128,
+        help="maximum tokens of one packed microbatch (samples longer than this are truncated)",
+    )
+    model.add_argument(
+        "--max-position-embeddings",
+        type=int,
+        default=None,
+        help="size of the position embedding table (default --seq-length)",
+    )
+    model.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="model vocabulary (default: the tokenizer's, padded by --make-vocab-size-divisible-by)",
+    )
+    model.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=128,
+        help="pad the tokenizer vocabulary to a multiple of lcm(this, TP size) (Megatron-LM: this "
+        "times the TP size; lcm keeps the vocabulary, hence checkpoints, the same across TP sizes)",
+    )
+    model.add_argument(
+        "--untie-embeddings-and-output-weights",
+        action="store_true",
+        help="separate input embedding and output layer weights",
+    )
+    model.add_argument(
+        "--position-embedding-type",
+        choices=("learned_absolute", "rope", "none"),
+        default="learned_absolute",
+        help="position embedding type",
+    )
+    model.add_argument(
+        "--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm", help="norm type"
+    )
+    model.add_argument("--swiglu", action="store_true", help="gated SiLU MLP")
+    model.add_argument(
+        "--disable-bias-linear", action="store_true", help="no biases in the linear layers"
+    )
+    model.add_argument(
+        "--init-method-std", type=float, default=0.02, help="std of the normal weight init"
+    )
+    model.add_argument(
+        "--hidden-dropout", type=float, default=0.0, help="dropout after attention and MLP"
+    )
+    model.add_argument(
+        "--attention-dropout", type=float, default=0.0, help="dropout of attention probabilities"
+    )
+    model.add_argument(
+        "--transformer-impl",
+        choices=("local", "transformer_engine"),
+        default="local",
+        help="layer spec: megatron-core's local modules or TransformerEngine's (needs TE)",
+    )
+    model.add_argument(
+        "--fp8-format",
+        choices=("e4m3", "hybrid"),
+        default=None,
+        help="FP8 training format (needs TransformerEngine and --transformer-impl transformer_engine)",
+    )
+    model.add_argument(
+        "--fp8-recipe",
+        choices=("delayed", "tensorwise", "mxfp8", "blockwise"),
+        default="delayed",
+        help="FP8 scaling recipe (delayed: amax reduced over TP only, ODC reduces it over DP)",
+    )
+    model.add_argument(
+        "--fp8-param-gather",
+        action="store_true",
+        help="keep FP8 parameters: ODC shards, fetches and re-quantises FP8 bytes (delayed or "
+        "tensorwise recipe; TransformerEngine >= 2.3)",
+    )
+    model.add_argument("--bf16", action="store_true", help="bf16 mixed precision")
+    model.add_argument("--fp16", action="store_true", help="fp16 mixed precision (loss scaling)")
+
+    parallel = parser.add_argument_group("parallelism (Megatron-LM flags)")
+    parallel.add_argument(
+        "--tensor-model-parallel-size", type=int, default=1, help="tensor-parallel size"
+    )
+    parallel.add_argument(
+        "--pipeline-model-parallel-size",
+        type=int,
+        default=1,
+        help="pipeline-parallel size (only 1 is supported)",
+    )
+    parallel.add_argument(
+        "--sequence-parallel", action="store_true", help="Megatron sequence parallelism (TP > 1)"
+    )
+
+    train = parser.add_argument_group("training (Megatron-LM flags)")
+    train.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=1,
+        help="sequences per microbatch; must be 1 (each microbatch is one packed sequence)",
+    )
+    train.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=16,
+        help="samples per iteration over all DP ranks (one minibatch)",
+    )
+    train.add_argument("--train-iters", type=int, default=40, help="iterations to train for")
+    train.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    train.add_argument("--min-lr", type=float, default=3e-4, help="learning rate after decay")
+    train.add_argument(
+        "--lr-decay-style", choices=LR_DECAY_STYLES, default="cosine", help="decay after warmup"
+    )
+    train.add_argument(
+        "--lr-warmup-iters",
+        type=int,
+        default=None,
+        help="linear warmup iterations (default 3, fewer when --lr-decay-iters is smaller)",
+    )
+    train.add_argument(
+        "--lr-warmup-init", type=float, default=0.0, help="learning rate at the start of warmup"
+    )
+    train.add_argument(
+        "--lr-decay-iters",
+        type=int,
+        default=None,
+        help="iterations to decay over (default --train-iters)",
+    )
+    train.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
+    train.add_argument(
+        "--clip-grad", type=float, default=1.0, help="global gradient-norm clip (0: off)"
+    )
+    train.add_argument("--adam-beta1", type=float, default=0.9, help="Adam beta1")
+    train.add_argument("--adam-beta2", type=float, default=0.999, help="Adam beta2")
+    train.add_argument("--adam-eps", type=float, default=1e-8, help="Adam epsilon")
+    train.add_argument(
+        "--loss-scale", type=float, default=None, help="static loss scale (fp16; default dynamic)"
+    )
+    train.add_argument(
+        "--initial-loss-scale",
+        type=float,
+        default=2.0**32,
+        help="fp16: initial dynamic loss scale (Megatron's default 2**32 skips the first iterations)",
+    )
+    train.add_argument(
+        "--calculate-per-token-loss",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="sum token losses and divide by the global token count (required; on by default)",
+    )
+    train.add_argument("--seed", type=int, default=1234, help="random seed")
+
+    data = parser.add_argument_group("data (Megatron-LM flags)")
+    data.add_argument(
+        "--data-path",
+        nargs="+",
+        default=None,
+        help="with --sft: one JSONL file; without --sft: Megatron indexed datasets for pretraining, "
+        "'[W1] PREFIX1 [W2 PREFIX2 ...]' (PREFIX.bin / PREFIX.idx)",
+    )
+    data.add_argument("--sft", action="store_true", help="SFT on a JSONL file of conversations")
+    data.add_argument(
+        "--split",
+        default="969,30,1",
+        help="pretraining: train,valid,test weights of the --data-path documents (only train is used)",
+    )
+    data.add_argument(
+        "--data-cache-path",
+        default=None,
+        help="pretraining: where GPTDataset caches its indices (default next to the data)",
+    )
+    data.add_argument(
+        "--tokenizer-type",
+        choices=TOKENIZER_TYPES,
+        default=None,
+        help="ByteTokenizer (default) or HuggingFaceTokenizer (a local --tokenizer-model dir)",
+    )
+    data.add_argument(
+        "--tokenizer-model", default=None, help="local Hugging Face tokenizer directory"
+    )
+    data.add_argument(
+        "--synthetic-num-samples",
+        type=int,
+        default=512,
+        help="samples of the generated SFT set used when no --data-path is given",
+    )
+
+    ckpt = parser.add_argument_group("checkpoints and logging (Megatron-LM flags)")
+    ckpt.add_argument("--save", default=None, help="checkpoint directory to save to")
+    ckpt.add_argument(
+        "--save-interval", type=int, default=None, help="save every this many iterations"
+    )
+    ckpt.add_argument("--load", default=None, help="checkpoint directory to resume from")
+    ckpt.add_argument(
+        "--finetune",
+        action="store_true",
+        help="load weights only from --load; start at iteration 0 with fresh optimizer and data",
+    )
+    ckpt.add_argument("--log-interval", type=int, default=5, help="iterations per log line")
+    ckpt.add_argument(
+        "--exit-interval",
+        type=int,
+        default=None,
+        help="stop (after saving, with --save) when the iteration is divisible by this value",
+    )
+
+    odc = parser.add_argument_group("ODC")
+    odc.add_argument(
+        "--dp-backend",
+        choices=DP_BACKENDS,
+        default="odc",
+        help="data-parallel backend: odc, fsdp (lockstep ZeRO-3 baseline), megatron-core ddp / distopt",
+    )
+    odc.add_argument(
+        "--balance",
+        choices=BALANCE_KINDS,
+        default=None,
+        help="microbatch plan per minibatch (default lb_mini; lb_micro for fsdp, which needs equal "
+        "microbatch counts and refuses the others)",
+    )
+    odc.add_argument(
+        "--max-tokens-per-microbatch",
+        type=int,
+        default=None,
+        help="token cap of one packed microbatch (default --seq-length)",
+    )
+    odc.add_argument(
+        "--odc-transport",
+        choices=("auto", "shm", "cuda", "collective"),
+        default=None,
+        help="ODC transport: auto (default: cuda on GPUs, shm on CPU), shm (CPU ranks of one host), "
+        "cuda (symmetric memory, the GPUs of one node) or collective (lockstep)",
+    )
+    odc.add_argument(
+        "--odc-cuda-accumulate",
+        choices=("atomic", "deterministic"),
+        default="atomic",
+        help="cuda transport: Triton peer atomics, or staging slots reduced in a fixed order "
+        "(bitwise reproducible)",
+    )
+    odc.add_argument(
+        "--odc-bucket-size",
+        type=int,
+        default=None,
+        help="ODC bucket size in elements (default OdcConfig's)",
+    )
+    return parser
+
+
+def _require_positive(args: argparse.Namespace, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+
+def _check_pretraining_data(args: argparse.Namespace) -> None:
+    """Pretraining on Megatron indexed datasets: ``--data-path [W1] PREFIX1 [W2 PREFIX2 ...]``."""
+    paths = args.data_path
+    if len(paths) % 2 == 0 and all(_is_float(p) for p in paths[0::2]):
+        prefixes = paths[1::2]
+    else:
+        prefixes = paths
+    for prefix in prefixes:
+        for suffix in (".bin", ".idx"):
+            if not os.path.isfile(prefix + suffix):
+                raise ValueError(
+                    f"--data-path {prefix!r}: {prefix + suffix} does not exist (pretraining reads "
+                    "Megatron indexed datasets PREFIX.bin / PREFIX.idx; pass --sft for a JSONL file)"
+                )
+    if args.max_tokens_per_microbatch != args.seq_length:
+        raise ValueError(
+            "--max-tokens-per-microbatch must equal --seq-length for pretraining: every sample "
+            "is one full --seq-length sequence"
+        )
+    weights = [w.strip() for w in args.split.split(",")]
+    if not weights or len(weights) > 3 or not all(_is_float(w) and float(w) >= 0 for w in weights):
+        raise ValueError(f"--split {args.split!r} must be up to 3 comma-separated weights >= 0")
+    if float(weights[0]) <= 0:
+        raise ValueError(f"--split {args.split!r} gives the train split no documents")
+
+
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def validate_args(args: argparse.Namespace, *, world_size: int) -> argparse.Namespace:
+    """Checks the parsed flags against each other and the world size; fills derived defaults.
+
+    Fills ``max_position_embeddings``, ``lr_decay_iters``, ``lr_warmup_iters``, ``balance``,
+    ``max_tokens_per_microbatch``, ``odc_transport`` and ``tokenizer_type`` when they were left unset,
+    and sets ``sft`` when no ``--data-path`` is given (the built-in synthetic SFT set).
+
+    Args:
+        args: the namespace from :func:`build_parser`.
+        world_size: number of ranks of the launch (torchrun's ``WORLD_SIZE``).
+
+    Returns:
+        ``args``, completed in place.
+
+    Raises:
+        ValueError: an invalid flag or combination; the message names the flag.
+    """
+    if args.pipeline_model_parallel_size != 1:
+        if args.dp_backend == "odc":
+            raise ValueError(
+                f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: "
+                "--dp-backend odc does not support pipeline parallelism; use 1"
+            )
+        raise ValueError(
+            f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: this entry "
+            "supports only 1"
+        )
+    if args.fp8_param_gather and args.fp8_format is None:
+        raise ValueError("--fp8-param-gather needs --fp8-format (e4m3 or hybrid)")
+    if args.fp8_param_gather and args.fp8_recipe not in FP8_PARAM_RECIPES:
+        raise ValueError(
+            f"--fp8-param-gather with --fp8-recipe {args.fp8_recipe}: FP8 parameters are sharded "
+            f"for a per-tensor recipe only ({', '.join(FP8_PARAM_RECIPES)})"
+        )
+    if args.fp8_format is not None:
+        if not transformer_engine_available():
+            raise ValueError(
+                f"--fp8-format {args.fp8_format} needs TransformerEngine, which is not installed "
+                "(pip install transformer_engine[pytorch]); drop --fp8-format"
+            )
+        if args.transformer_impl != "transformer_engine":
+            raise ValueError("--fp8-format needs --transformer-impl transformer_engine")
+    if args.transformer_impl == "transformer_engine" and not transformer_engine_available():
+        raise ValueError(
+            "--transformer-impl transformer_engine needs TransformerEngine, which is not "
+            "installed; use --transformer-impl local"
+        )
+    if args.bf16 and args.fp16:
+        raise ValueError("--bf16 and --fp16 are mutually exclusive")
+    if not args.calculate_per_token_loss:
+        raise ValueError(
+            "--no-calculate-per-token-loss is not supported: ranks run different numbers of "
+            "microbatches, which is exact only with --calculate-per-token-loss"
+        )
+    _require_positive(
+        args,
+        (
+            "num_layers",
+            "hidden_size",
+            "ffn_hidden_size",
+            "num_attention_heads",
+            "seq_length",
+            "max_position_embeddings",
+            "vocab_size",
+            "make_vocab_size_divisible_by",
+            "global_batch_size",
+            "train_iters",
+            "lr_decay_iters",
+            "log_interval",
+            "save_interval",
+            "exit_interval",
+            "tensor_model_parallel_size",
+            "max_tokens_per_microbatch",
+            "odc_bucket_size",
+            "synthetic_num_samples",
+        ),
+    )
+    if args.micro_batch_size != 1:
+        raise ValueError(
+            f"--micro-batch-size {args.micro_batch_size}: each microbatch is one packed sequence "
+            "of several samples, so it must be 1 (use --max-tokens-per-microbatch for its size)"
+        )
+    if args.hidden_size % args.num_attention_heads:
+        raise ValueError(
+            f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+            f"{args.num_attention_heads}"
+        )
+
+    tp_size = args.tensor_model_parallel_size
+    if world_size % tp_size:
+        raise ValueError(
+            f"--tensor-model-parallel-size {tp_size} does not divide the world size {world_size}"
+        )
+    if args.num_attention_heads % tp_size:
+        raise ValueError(
+            f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+            f"--tensor-model-parallel-size {tp_size}"
+        )
+    if args.sequence_parallel:
+        if tp_size == 1:
+            raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+        if args.seq_length % math.lcm(8, tp_size):
+            raise ValueError(
+                f"--seq-length {args.seq_length} must be a multiple of {math.lcm(8, tp_size)} "
+                "with --sequence-parallel (packed microbatches are padded to multiples of 8 and "
+                "split over the TP ranks)"
+            )
+    if args.vocab_size is not None and args.vocab_size % tp_size:
+        raise ValueError(
+            f"--vocab-size {args.vocab_size} is not divisible by --tensor-model-parallel-size "
+            f"{tp_size}"
+        )
+
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if (
+        args.position_embedding_type == "learned_absolute"
+        and args.max_position_embeddings < args.seq_length
+    ):
+        raise ValueError(
+            f"--max-position-embeddings {args.max_position_embeddings} is smaller than "
+            f"--seq-length {args.seq_length}"
+        )
+    if args.max_tokens_per_microbatch is None:
+        args.max_tokens_per_microbatch = args.seq_length
+    if args.max_tokens_per_microbatch > args.seq_length:
+        raise ValueError(
+            f"--max-tokens-per-microbatch {args.max_tokens_per_microbatch} exceeds --seq-length "
+            f"{args.seq_length}: a packed microbatch never grows beyond --seq-length"
+        )
+
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_iters is None:
+        args.lr_warmup_iters = min(DEFAULT_LR_WARMUP_ITERS, args.lr_decay_iters - 1)
+    if args.lr < 0 or args.min_lr < 0 or args.lr_warmup_init < 0:
+        raise ValueError("--lr, --min-lr and --lr-warmup-init must be >= 0")
+    if args.min_lr > args.lr:
+        raise ValueError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
+    if args.lr_warmup_init > args.lr:
+        raise ValueError(f"--lr-warmup-init {args.lr_warmup_init} is larger than --lr {args.lr}")
+    if not 0 <= args.lr_warmup_iters < args.lr_decay_iters:
+        raise ValueError(
+            f"--lr-warmup-iters {args.lr_warmup_iters} must be in [0, --lr-decay-iters "
+            f"{args.lr_decay_iters})"
+        )
+    if args.weight_decay < 0:
+        raise ValueError(f"--weight-decay must be >= 0, got {args.weight_decay}")
+    if args.clip_grad < 0:
+        raise ValueError(f"--clip-grad must be >= 0, got {args.clip_grad}")
+    for name in ("hidden_dropout", "attention_dropout"):
+        if not 0.0 <= getattr(args, name) < 1.0:
+            raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1)")
+
+    if args.balance is None:
+        args.balance = "lb_micro" if args.dp_backend == "fsdp" else "lb_mini"
+    if args.dp_backend == "fsdp" and args.balance not in EQUAL_COUNT_BALANCE_KINDS:
+        raise ValueError(
+            f"--balance {args.balance} gives DP ranks different numbers of microbatches, which "
+            "--dp-backend fsdp (lockstep collectives) cannot run; use --balance lb_micro or "
+            "--dp-backend odc"
+        )
+    if args.odc_transport is None:
+        args.odc_transport = "collective" if args.dp_backend == "fsdp" else "auto"
+    if args.dp_backend == "fsdp" and args.odc_transport != "collective":
+        raise ValueError(
+            f"--odc-transport {args.odc_transport} does not apply to --dp-backend fsdp, which "
+            "always uses the collective transport"
+        )
+    if args.dp_backend in ("ddp", "distopt") and args.odc_bucket_size is not None:
+        raise ValueError(
+            f"--odc-bucket-size applies to --dp-backend odc/fsdp, not {args.dp_backend}"
+        )
+
+    if args.data_path is None:
+        if args.sft:
+            raise ValueError("--sft needs --data-path FILE.jsonl (omit both for the built-in set)")
+        args.sft = True
+    elif not args.sft:
+        _check_pretraining_data(args)
+    else:
+        if len(args.data_path) != 1:
+            raise ValueError(
+                f"--data-path with --sft takes one JSONL file, got {len(args.data_path)} paths"
+            )
+        if not os.path.isfile(args.data_path[0]):
+            raise ValueError(f"--data-path {args.data_path[0]!r} is not a file")
+    if args.tokenizer_type is None:
+        args.tokenizer_type = (
+            "HuggingFaceTokenizer" if args.tokenizer_model is not None else "ByteTokenizer"
+        )
+    if args.tokenizer_type == "HuggingFaceTokenizer" and args.tokenizer_model is None:
+        raise ValueError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model DIR")
+    if args.tokenizer_type == "ByteTokenizer" and args.tokenizer_model is not None:
+        raise ValueError("--tokenizer-model does not apply to --tokenizer-type ByteTokenizer")
+
+    if args.save_interval is not None and args.save is None:
+        raise ValueError("--save-interval needs --save DIR")
+    if args.finetune and args.load is None:
+        raise ValueError("--finetune needs --load DIR")
+    if (args.save is not None or args.load is not None) and (
+        importlib.util.find_spec("megatron_odc.checkpoint") is None
+    ):
+        flag = "--save" if args.save is not None else "--load"
+        raise ValueError(f"{flag} needs megatron_odc.checkpoint, which is not available")
+    return args

@@ -1,0 +1,792 @@
+"""The Megatron-LM patch layer (``megatron_odc.patches.megatron_lm``) and the launcher.
+
+``megatron.training`` is not on PyPI, so the patch layer is exercised against a hand-written fake of the
+patched names (module layout and signatures copied from Megatron-LM ``core_v0.16.1``), written to a
+tmp dir and put on ``sys.path`` inside spawned ranks; megatron-core is the real installed 0.16.1. One
+2-rank world checks: flags composed with the caller's provider and post-processed, refusals naming the
+flag, ``get_model`` building ``OdcDataParallel`` and restoring ``DDP``, the optimizer factory, the
+planned-count schedule (uneven and zero counts give the same step as another split of the same samples),
+the TP broadcast of the count, the balanced loader through the patched factory, version refusal, and
+``revert``, and the checkpoint overrides the factories install. The symbols that live in megatron-core are checked against the installed package here.
+
+The end-to-end run of the real ``pretrain_gpt.py`` needs ``MEGATRON_LM_PATH`` (skipped otherwise): ODC
+with LB-Mini and megatron-core DDP must print the same losses (dropout off, same seed), and ODC's
+``--save`` / ``--load`` resume must print the uninterrupted run's losses.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests._dist import run_ranks
+
+# ----------------------------------------------------------------------------- the fake Megatron-LM
+
+_FAKE_FILES = {
+    "megatron/training/__init__.py": """
+        from megatron.training.global_vars import get_args, set_args
+    """,
+    "megatron/training/global_vars.py": """
+        _GLOBAL_ARGS = None
+
+        def get_args():
+            return _GLOBAL_ARGS
+
+        def set_args(args):
+            global _GLOBAL_ARGS
+            _GLOBAL_ARGS = args
+    """,
+    "megatron/training/arguments.py": """
+        import argparse
+        import sys
+
+        def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+            parser = argparse.ArgumentParser(description='Megatron-LM Arguments', allow_abbrev=False)
+            parser.add_argument('--micro-batch-size', type=int, default=None)
+            parser.add_argument('--global-batch-size', type=int, default=None)
+            parser.add_argument('--seq-length', type=int, default=None)
+            parser.add_argument('--pipeline-model-parallel-size', type=int, default=1)
+            parser.add_argument('--use-distributed-optimizer', action='store_true')
+            parser.add_argument('--use-megatron-fsdp', action='store_true')
+            parser.add_argument('--use-torch-fsdp2', action='store_true')
+            parser.add_argument('--overlap-grad-reduce', action='store_true')
+            parser.add_argument('--overlap-param-gather', action='store_true')
+            parser.add_argument('--fp8-format', type=str, default=None, dest='fp8')
+            parser.add_argument('--fp8-recipe', type=str, default='delayed')
+            parser.add_argument('--fp8-param-gather', action='store_true')
+            parser.add_argument('--transformer-impl', type=str, default='transformer_engine')
+            parser.add_argument('--calculate-per-token-loss', action='store_true')
+            parser.add_argument('--dataloader-type', type=str, default=None)
+            parser.add_argument('--save', type=str, default=None)
+            parser.add_argument('--load', type=str, default=None)
+            parser.add_argument('--ckpt-format', type=str, default='torch_dist')
+            if extra_args_provider is not None:
+                parser = extra_args_provider(parser)
+            if ignore_unknown_args:
+                args, _ = parser.parse_known_args()
+            else:
+                args = parser.parse_args()
+            return args
+
+        def validate_args(args, defaults={}):
+            import torch
+
+            if args.fp8_param_gather:  # core_v0.16.1's check, which ODC's wrapper must get past
+                assert args.use_distributed_optimizer or not torch.is_grad_enabled(), \
+                    '--fp8-param-gather only supported with distributed optimizer, or inference mode'
+            args.validated = (args.fp8_param_gather, torch.is_grad_enabled())  # as printed
+            return args
+    """,
+    "megatron/training/initialize.py": """
+        from megatron.training.arguments import parse_args, validate_args
+        from megatron.training.global_vars import set_args
+
+        def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unknown_args=False,
+                                allow_no_cuda=False, skip_mpu_initialization=False,
+                                get_embedding_ranks=None, get_position_embedding_ranks=None,
+                                parsed_args=None, store=None):
+            args = parse_args(extra_args_provider, ignore_unknown_args)
+            validate_args(args, args_defaults)
+            set_args(args)
+            return args
+
+        def _compile_dependencies():
+            raise RuntimeError('compiles helpers')
+
+        def set_jit_fusion_options():
+            raise RuntimeError('needs CUDA')
+    """,
+    "megatron/training/datasets/__init__.py": "",
+    "megatron/training/datasets/data_samplers.py": """
+        def build_pretraining_data_loader(dataset, consumed_samples):
+            return ('megatron-sampler', dataset, consumed_samples)
+    """,
+    "megatron/training/training.py": """
+        import dataclasses
+
+        from megatron.core.distributed import DistributedDataParallelConfig
+        from megatron.core.distributed import DistributedDataParallel as DDP
+        from megatron.core.enums import ModelType
+        from megatron.core.optimizer import get_megatron_optimizer
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.utils import get_model_config
+        from megatron.training.datasets.data_samplers import build_pretraining_data_loader
+        from megatron.training.global_vars import get_args
+        from megatron.training.initialize import initialize_megatron, set_jit_fusion_options
+
+        def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder,
+                      wrap_with_ddp=True, config=None, pg_collection=None):
+            args = get_args()
+            model = [model_provider_func(pre_process=True, post_process=True)]
+            if wrap_with_ddp:
+                DP = DDP
+                kwargs = {}
+                for f in dataclasses.fields(DistributedDataParallelConfig):
+                    if hasattr(args, f.name):
+                        kwargs[f.name] = getattr(args, f.name)
+                ddp_config = DistributedDataParallelConfig(**kwargs)
+                config = get_model_config(model[0])
+                model = [DP(config=config, ddp_config=ddp_config, module=m,
+                            disable_bucketing=(i > 0)) for i, m in enumerate(model)]
+            return model
+    """,
+}
+
+CFG_KW = {
+    "num_layers": 2,
+    "hidden_size": 32,
+    "num_attention_heads": 4,
+    "ffn_hidden_size": 64,
+    "vocab_size": 64,
+    "seq_length": 8,
+}
+BASE_ARGV = ["pretrain_gpt.py", "--micro-batch-size", "1", "--global-batch-size", "4"]
+BASE_ARGV += ["--seq-length", str(CFG_KW["seq_length"]), "--transformer-impl", "local"]
+
+
+def _write_fake_megatron_lm(root: Path) -> None:
+    for rel, text in _FAKE_FILES.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+
+
+def _import_fake(fake_root: str):
+    sys.path.insert(0, fake_root)
+    import importlib
+
+    training = importlib.import_module("megatron.training.training")
+    assert training.__file__.startswith(fake_root), training.__file__
+    return (
+        importlib.import_module("megatron.training.arguments"),
+        importlib.import_module("megatron.training.initialize"),
+        training,
+    )
+
+
+def _parse(initialize, argv: list[str], extra=None):
+    sys.argv = list(argv)
+    return initialize.initialize_megatron(extra_args_provider=extra)
+
+
+def _error_of(fn) -> str:
+    try:
+        fn()
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+class _PlanIterable:
+    """A data iterator offering a planned count, like the balanced loader's iterator."""
+
+    def __init__(self, counts: list[int], batches: list[dict]) -> None:
+        self.counts = list(counts)
+        self.batches = list(batches)
+        self.asked = 0
+
+    def next_num_microbatches(self) -> int:
+        self.asked += 1
+        return self.counts.pop(0)
+
+    def __next__(self) -> dict:
+        return self.batches.pop(0)
+
+
+def _check_flags(arguments, initialize) -> dict:
+    def extra(parser):
+        parser.add_argument("--caller-flag", type=int, default=0)
+        return parser
+
+    args = _parse(
+        initialize,
+        [*BASE_ARGV, "--dp-backend", "odc", "--odc-bucket-size", "777", "--caller-flag", "5"],
+        extra,
+    )
+    stock = _parse(initialize, BASE_ARGV)
+    distopt = _parse(initialize, [*BASE_ARGV, "--dp-backend", "distopt"])
+    refusals = {}
+    for extra_argv in (
+        ["--pipeline-model-parallel-size", "2"],
+        ["--use-megatron-fsdp"],
+        ["--use-torch-fsdp2"],
+        ["--use-distributed-optimizer"],
+        ["--overlap-grad-reduce"],
+        ["--save", "/tmp/ckpt", "--ckpt-format", "torch"],
+        ["--load", "/tmp/ckpt", "--ckpt-format", "torch_dcp"],
+    ):
+        sys.argv = [*BASE_ARGV, "--dp-backend", "odc", *extra_argv]
+        refusals[extra_argv[0]] = _error_of(lambda: arguments.parse_args())
+    sys.argv = [
+        *BASE_ARGV,
+        "--dp-backend",
+        "odc",
+        "--micro-batch-size",
+        "2",
+        "--balance",
+        "lb_mini",
+    ]
+    refusals["mbs"] = _error_of(lambda: arguments.parse_args())
+    sys.argv = [*BASE_ARGV, "--dp-backend", "fsdp", "--balance", "lb_mini"]
+    refusals["fsdp"] = _error_of(lambda: arguments.parse_args())
+    sys.argv = [*BASE_ARGV, "--dp-backend", "odc", "--save", "/tmp/c", "--load", "/tmp/c"]
+    refusals["torch_dist_accepted"] = _error_of(lambda: arguments.parse_args())
+    # FP8 parameters: refused where ODC cannot run them, accepted (past Megatron-LM's
+    # distributed-optimizer assertion, the flag intact afterwards) where it can.
+    from megatron_odc.core import fp8 as fp8_module
+
+    te = ["--transformer-impl", "transformer_engine"]
+    fp8 = ["--fp8-format", "hybrid", "--fp8-param-gather"]
+    for key, extra_argv in (
+        ("fp8_no_format", ["--fp8-param-gather"]),
+        ("fp8_blockwise", [*te, *fp8, "--fp8-recipe", "blockwise"]),
+        ("fp8_local", fp8),
+        ("te_missing", te),
+        ("fp8_te_missing", [*te, *fp8]),
+    ):
+        sys.argv = [*BASE_ARGV, "--dp-backend", "odc", *extra_argv]
+        refusals[key] = _error_of(lambda: arguments.parse_args())
+    fp8_args = {"te_available": fp8_module.transformer_engine_available()}
+    real_require = fp8_module.require_transformer_engine
+    fp8_module.require_transformer_engine = lambda feature: None  # a TE install, as far as flags go
+    try:
+        for backend in ("odc", "fsdp"):
+            parsed = _parse(initialize, [*BASE_ARGV, "--dp-backend", backend, *te, *fp8])
+            fp8_args[backend] = (parsed.fp8_param_gather, parsed.validated, parsed.fp8)
+    finally:
+        fp8_module.require_transformer_engine = real_require
+    fp8_args["grad_mode_after"] = torch.is_grad_enabled()
+    try:  # neither the stock path nor the distopt baseline is changed
+        _parse(initialize, [*BASE_ARGV, *fp8])
+        fp8_args["stock"] = "accepted"
+    except AssertionError as exc:
+        fp8_args["stock"] = str(exc)
+    fp8_args["distopt"] = _parse(initialize, [*BASE_ARGV, "--dp-backend", "distopt", *fp8]).fp8
+    mbs2 = _parse(initialize, [*BASE_ARGV, "--dp-backend", "odc", "--micro-batch-size", "2"])
+    fsdp = _parse(initialize, [*BASE_ARGV, "--dp-backend", "fsdp"])
+    return {
+        "caller_flag": args.caller_flag,
+        "dp_backend": args.dp_backend,
+        "per_token": args.calculate_per_token_loss,
+        "tp_only_amax_red": args.tp_only_amax_red,
+        "odc_bucket_size": args.odc_bucket_size,
+        "balance": args.balance,
+        "stock_backend": stock.dp_backend,
+        "stock_per_token": stock.calculate_per_token_loss,
+        "stock_has_amax": hasattr(stock, "tp_only_amax_red"),
+        "distopt_sets_flag": distopt.use_distributed_optimizer,
+        "mbs2_balance": mbs2.balance,
+        "fsdp": (fsdp.odc_transport, fsdp.balance, fsdp.calculate_per_token_loss),
+        "refusals": refusals,
+        "fp8_args": fp8_args,
+    }
+
+
+def _build(training, cfg, seed: int):
+    from megatron_odc.mcore.model import build_gpt_model
+
+    return training.get_model(lambda pre_process, post_process: build_gpt_model(cfg, seed=seed))
+
+
+def _full_params(chunk) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in chunk.state_dict().items() if torch.is_tensor(v)}
+
+
+def _step(training, cfg, counts, batches, rank: int):
+    """Build an ODC model through the patched factories, run one planned step, return results."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.rerun_state_machine import RerunDataIterator
+    from megatron.core.utils import unwrap_model
+
+    from tests._megatron import _forward_step
+
+    model = _build(training, cfg, seed=11)
+    gpt = unwrap_model(model[0])
+    installed = [type(gpt.sharded_state_dict).__name__, model[0].load_state_dict.optimizer]
+    opt_config = OptimizerConfig(optimizer="adam", lr=1e-2, clip_grad=1.0, weight_decay=0.0)
+    optimizer = training.get_megatron_optimizer(opt_config, model)
+    # Megatron-LM's checkpointing calls land on the ODC overrides, with this optimizer.
+    installed.append(model[0].load_state_dict.optimizer is optimizer.chained_optimizers[0])
+    installed.append("param_state" in optimizer.sharded_state_dict({}, metadata={}))
+    model[0].config.finalize_model_grads_func = finalize_model_grads
+    before = _full_params(model[0])
+    fb = training.get_forward_backward_func()
+    plan = _PlanIterable(counts, batches)
+    model[0].zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = fb(
+        forward_step_func=_forward_step,
+        data_iterator=RerunDataIterator(plan),
+        model=model,
+        num_microbatches=99,  # ignored: the plan decides
+        seq_length=cfg.seq_length,
+        micro_batch_size=1,
+        forward_only=False,
+    )
+    success, grad_norm, _ = optimizer.step()
+    after = _full_params(model[0])
+    report = torch.stack([r["lm loss"] for r in losses]).sum(0) if losses else None
+    out = {
+        "optimizer": (type(optimizer).__mro__, type(optimizer.chained_optimizers[0]).__name__),
+        "num_chained": len(optimizer.chained_optimizers),
+        "keys": [sorted(r) for r in losses],
+        "num_reports": len(losses),
+        "report": report,
+        "asked": plan.asked,
+        "changed": max(float((after[k] - before[k]).abs().max()) for k in after),
+        "after": after,
+        "grad_norm": float(grad_norm),
+        "success": success,
+        "schedule_type": type(fb).__name__,
+        "checkpoint_overrides": installed,
+    }
+    model[0].close()
+    return out
+
+
+def _run_fake_training(rank: int, world_size: int, fake_root: str) -> dict:
+    from megatron.core import package_info, parallel_state
+    from megatron.core.distributed import DistributedDataParallel
+
+    from megatron_odc.integration import megatron_lm
+    from megatron_odc.mcore.data_parallel import OdcConfig, OdcDataParallel
+    from megatron_odc.mcore.model import GPTConfig
+    from tests._megatron import init_megatron, make_batch, teardown_megatron
+
+    arguments, initialize, training = _import_fake(fake_root)
+    names = ["get_model", "get_megatron_optimizer", "get_forward_backward_func"]
+    names += ["build_pretraining_data_loader", "DDP", "set_jit_fusion_options"]
+    originals = {n: getattr(training, n) for n in names}
+    originals["parse_args"] = arguments.parse_args
+    originals["init.parse_args"] = initialize.parse_args
+    originals["validate_args"] = arguments.validate_args
+    originals["init.validate_args"] = initialize.validate_args
+    originals["is_available"] = torch.cuda.is_available
+    out: dict = {}
+
+    # Version refusal: a wrong megatron-core version, then a changed signature; nothing stays patched.
+    real_version = package_info.__version__
+    package_info.__version__ = "0.15.0"
+    try:
+        out["refuse_version"] = _error_of(megatron_lm.apply_megatron_lm_patches)
+        os.environ[megatron_lm.SKIP_VERSION_CHECK_ENV] = "1"
+        megatron_lm.apply_megatron_lm_patches().revert()
+        out["skip_env_ok"] = True
+    finally:
+        os.environ.pop(megatron_lm.SKIP_VERSION_CHECK_ENV, None)
+        package_info.__version__ = real_version
+    training.get_forward_backward_func = lambda pp_size=None: None
+    out["refuse_signature"] = _error_of(megatron_lm.apply_megatron_lm_patches)
+    training.get_forward_backward_func = originals["get_forward_backward_func"]
+    out["clean_after_refusal"] = all(getattr(training, n) is originals[n] for n in names) and (
+        arguments.parse_args is originals["parse_args"]
+    )
+
+    init_megatron(1, seed=7)
+    handle = megatron_lm.apply_megatron_lm_patches()
+    try:
+        out["patched"] = list(handle.patched)
+        out["flags"] = _check_flags(arguments, initialize)
+        cfg = GPTConfig(**CFG_KW, calculate_per_token_loss=True)
+
+        # get_model: ODC while it runs, DDP back afterwards; stock DDP without --dp-backend.
+        _parse(initialize, [*BASE_ARGV, "--dp-backend", "odc", "--odc-bucket-size", "3000"])
+        model = _build(training, cfg, seed=11)
+        out["odc_wrapped"] = isinstance(model[0], OdcDataParallel)
+        out["odc_config"] = (
+            isinstance(model[0].ddp_config, OdcConfig),
+            model[0].ddp_config.odc_bucket_size,
+        )
+        out["ddp_restored"] = training.DDP is DistributedDataParallel
+        model[0].close()
+        _parse(initialize, BASE_ARGV)
+        stock = _build(training, cfg, seed=11)
+        out["stock_type"] = type(stock[0]).__name__
+        del stock
+
+        # Planned counts: (3, 0) and (1, 2) over the same three samples give the same step.
+        _parse(initialize, [*BASE_ARGV, "--dp-backend", "odc", "--odc-bucket-size", "3000"])
+        batch = make_batch(cfg, 3, seed=5)
+        samples = [
+            {k: v[i : i + 1] for k, v in batch.items() if k != "attention_mask"} for i in range(3)
+        ]
+        for s in samples:
+            s["attention_mask"] = batch["attention_mask"]
+        split_a = [samples, []][rank]
+        split_b = [samples[:1], samples[1:]][rank]
+        out["a"] = _step(training, cfg, [len(split_a)], split_a, rank)
+        out["b"] = _step(training, cfg, [len(split_b)], split_b, rank)
+
+        # The balanced loader through the patched factory (train split only).
+        from megatron.core.datasets.utils import Split
+
+        class _Dataset(list):
+            index_split = Split.train
+
+        class _Valid(list):
+            index_split = Split.valid
+
+        dataset = _Dataset({"i": torch.tensor(i)} for i in range(12))
+        loader = training.build_pretraining_data_loader(dataset, 4)
+        it = iter(loader)
+        count = it.next_num_microbatches()
+        got = [int(next(it)["i"]) for _ in range(count)]
+        out["loader"] = (type(loader).__name__, count, got)
+        out["valid_loader"] = training.build_pretraining_data_loader(_Valid([1]), 0)[0]
+    finally:
+        handle.revert()
+        teardown_megatron()
+    out["restored"] = {n: getattr(training, n) is originals[n] for n in names}
+    out["restored"]["parse_args"] = arguments.parse_args is originals["parse_args"]
+    out["restored"]["init.parse_args"] = initialize.parse_args is originals["init.parse_args"]
+    for key, owner in (("validate_args", arguments), ("init.validate_args", initialize)):
+        out["restored"][key] = owner.validate_args is originals[key]
+
+    # The count is broadcast over TP from the rank that has data (TP=2: both ranks).
+    init_megatron(2, seed=7)
+    try:
+        schedule = megatron_lm.PlannedCountSchedule(inner=None)
+        source = (
+            _PlanIterable([5], []) if parallel_state.get_tensor_model_parallel_rank() == 0 else None
+        )
+        out["tp_count"] = schedule.planned_count(source, default=2)
+    finally:
+        teardown_megatron()
+
+    # cpu=True adds Megatron-LM's CPU shims and reverts them with everything else.
+    handle = megatron_lm.apply_megatron_lm_patches(cpu=True)
+    out["cpu_shims"] = (torch.cuda.is_available(), torch.zeros(1).type(), torch.cuda.device_count())
+    handle.revert()
+    from megatron_odc.integration.cpu import active_cpu_patches
+
+    out["cpu_reverted"] = (
+        torch.cuda.is_available is originals["is_available"],
+        torch.zeros(1).type(),
+        active_cpu_patches() is None,
+        training.set_jit_fusion_options is originals["set_jit_fusion_options"],
+    )
+    return out
+
+
+@pytest.fixture(scope="module")
+def fake_results(tmp_path_factory) -> list[dict]:
+    root = tmp_path_factory.mktemp("fake_megatron_lm")
+    _write_fake_megatron_lm(root)
+    return run_ranks(_run_fake_training, 2, str(root), timeout_s=120, pg_timeout_s=60)
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+def test_core_symbols_match_the_expected_signatures() -> None:
+    from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.optimizer.optimizer import ChainedOptimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+    from megatron.core.rerun_state_machine import RerunDataIterator
+
+    from megatron_odc.integration.megatron_lm import EXPECTED_SIGNATURES
+
+    def names(fn) -> tuple[str, ...]:
+        return tuple(inspect.signature(fn).parameters)
+
+    table = {attr: sig for (mod, attr), sig in EXPECTED_SIGNATURES.items()}
+    # Megatron-LM's training.py binds these megatron-core objects by name.
+    assert names(get_megatron_optimizer) == table["get_megatron_optimizer"]
+    assert names(DistributedDataParallel.__init__) == table["DDP"]
+    assert names(get_forward_backward_func) == table["get_forward_backward_func"]
+    # What the zero-count path and the wrapper call.
+    assert names(finalize_model_grads)[:2] == ("model", "num_tokens")
+    schedule = inspect.signature(forward_backward_no_pipelining).parameters
+    for p in ("forward_step_func", "data_iterator", "model", "num_microbatches", "forward_only"):
+        assert schedule[p].kind is inspect.Parameter.KEYWORD_ONLY
+    assert names(ChainedOptimizer.__init__) == ("self", "chained_optimizers")
+    rerun = RerunDataIterator(iter([]))
+    assert hasattr(rerun, "iterable")
+    assert rerun.replaying is False
+
+
+def test_flags_are_composed_and_postprocessed(fake_results) -> None:
+    flags = fake_results[0]["flags"]
+    assert flags["caller_flag"] == 5  # the caller's extra_args_provider still runs
+    assert (flags["dp_backend"], flags["per_token"], flags["tp_only_amax_red"]) == (
+        "odc",
+        True,
+        True,
+    )
+    assert flags["odc_bucket_size"] == 777
+    assert flags["balance"] == "lb_mini"
+    assert flags["stock_backend"] is None
+    assert flags["stock_per_token"] is False
+    assert not flags["stock_has_amax"]
+    assert flags["distopt_sets_flag"] is True
+    assert flags["mbs2_balance"] == "none"  # the default falls back to Megatron-LM's sampler
+    assert flags["fsdp"] == ("collective", "lb_micro", True)
+    refusals = dict(flags["refusals"])
+    # --save / --load are accepted with torch_dist (Megatron-LM's checkpointing through the ODC
+    # overrides) and refused, naming the format, with any other --ckpt-format.
+    assert refusals.pop("torch_dist_accepted") == ""
+    for flag in ("--save", "--load"):
+        assert flag in refusals[flag], refusals
+        assert "--ckpt-format torch_dist" in refusals[flag], refusals
+    assert "needs --fp8-format" in refusals.pop("fp8_no_format"), refusals
+    assert "--fp8-recipe blockwise" in refusals.pop("fp8_blockwise"), refusals
+    assert "--transformer-impl transformer_engine (got local)" in refusals.pop("fp8_local"), (
+        refusals
+    )
+    te_missing, fp8_te_missing = refusals.pop("te_missing"), refusals.pop("fp8_te_missing")
+    if flags["fp8_args"]["te_available"]:
+        assert (te_missing, fp8_te_missing) == ("", ""), refusals
+    else:  # Megatron-LM's default --transformer-impl and the FP8 flags say TE is what is missing
+        assert "--transformer-impl transformer_engine needs TransformerEngine" in te_missing
+        assert (
+            "--fp8-format hybrid and --fp8-param-gather needs TransformerEngine" in fp8_te_missing
+        )
+        assert "--transformer-impl local" in te_missing  # the way out
+    for flag, message in refusals.items():
+        expected = {"mbs": "--micro-batch-size", "fsdp": "--balance lb_mini"}.get(flag, flag)
+        assert expected in message, (flag, message)
+
+
+def test_fp8_param_gather_passes_validation_only_for_the_odc_engine(fake_results) -> None:
+    fp8_args = fake_results[0]["flags"]["fp8_args"]
+    for backend in ("odc", "fsdp"):
+        # the flag is never flipped (Megatron-LM prints it during validation); only grad mode is off
+        assert fp8_args[backend] == (True, (True, False), "hybrid"), fp8_args
+    assert fp8_args["grad_mode_after"] is True
+    assert "only supported with distributed optimizer" in fp8_args["stock"], fp8_args
+    assert fp8_args["distopt"] == "hybrid", fp8_args
+
+
+def test_get_model_swaps_ddp_only_while_it_runs(fake_results) -> None:
+    for res in fake_results:
+        assert res["odc_wrapped"]
+        assert res["odc_config"] == (True, 3000)
+        assert res["ddp_restored"]
+        assert res["stock_type"] == "DistributedDataParallel"
+
+
+def test_optimizer_factory_returns_chained_odc_optimizer(fake_results) -> None:
+    from megatron.core.optimizer.optimizer import ChainedOptimizer
+
+    mro, inner = fake_results[0]["a"]["optimizer"]
+    assert ChainedOptimizer in mro
+    assert inner == "OdcOptimizer"
+    assert fake_results[0]["a"]["num_chained"] == 1
+    for res in fake_results:
+        # get_model installs the module's override; the optimizer factory binds the optimizer.
+        assert res["a"]["checkpoint_overrides"] == ["_OdcModuleShardedStateDict", None, True, True]
+
+
+def test_planned_counts_including_zero_give_the_same_step(fake_results) -> None:
+    r0a, r1a = fake_results[0]["a"], fake_results[1]["a"]
+    r0b, r1b = fake_results[0]["b"], fake_results[1]["b"]
+    assert r0a["schedule_type"] == "PlannedCountSchedule"
+    # The plan was asked once per step; 99 would have exhausted the iterator.
+    assert all(r["asked"] == 1 for r in (r0a, r1a, r0b, r1b))
+    assert (r0a["num_reports"], r1a["num_reports"]) == (3, 1)
+    assert (r0b["num_reports"], r1b["num_reports"]) == (1, 2)
+    # The zero-count rank reports zeros under the same key.
+    assert r1a["keys"] == [["lm loss"]]
+    assert torch.equal(r1a["report"], torch.zeros(2))
+    total_a = r0a["report"] + r1a["report"]
+    total_b = r0b["report"] + r1b["report"]
+    torch.testing.assert_close(total_a, total_b, rtol=1e-6, atol=1e-5)
+    assert r0a["changed"] > 1e-4  # the step moved the weights
+    for res in (r1a, r0b, r1b):
+        assert res["grad_norm"] == pytest.approx(r0a["grad_norm"], rel=1e-5)
+        for name, value in res["after"].items():
+            torch.testing.assert_close(value, r0a["after"][name], rtol=1e-5, atol=1e-6)
+
+
+def test_balanced_loader_and_tp_broadcast(fake_results) -> None:
+    seen = []
+    for res in fake_results:
+        kind, count, got = res["loader"]
+        assert kind == "BalancedPretrainingLoader"
+        assert count == len(got) == 2
+        seen += got
+        assert res["valid_loader"] == "megatron-sampler"
+        assert res["tp_count"] == 5
+    assert sorted(seen) == [4, 5, 6, 7]  # global batch 1 of 4 (4 samples consumed), split over DP
+
+
+def test_version_refusal_and_revert(fake_results) -> None:
+    for res in fake_results:
+        assert "0.15.0" in res["refuse_version"]
+        assert "core_v0.16.1" in res["refuse_version"]
+        assert "MEGATRON_ODC_SKIP_VERSION_CHECK" in res["refuse_version"]
+        assert res["skip_env_ok"]
+        assert "get_forward_backward_func" in res["refuse_signature"]
+        assert res["clean_after_refusal"]
+        assert all(res["restored"].values()), res["restored"]
+        assert len(res["patched"]) == 8
+        assert res["cpu_shims"] == (True, "torch.cuda.FloatTensor", 1)
+        assert res["cpu_reverted"] == (True, "torch.FloatTensor", True, True)
+
+
+def test_balanced_loader_partitions_every_global_batch() -> None:
+    from megatron_odc.integration.megatron_lm import BalancedPretrainingLoader
+
+    dataset = [{"i": torch.tensor(i)} for i in range(24)]
+    per_step: dict[int, list[int]] = {}
+    for dp_rank in range(3):
+        loader = BalancedPretrainingLoader(
+            dataset, 6, global_batch_size=6, dp_rank=dp_rank, dp_size=3, seq_length=16
+        )
+        it = iter(loader)
+        for step in range(3):
+            n = it.next_num_microbatches()
+            per_step.setdefault(step, []).extend(int(next(it)["i"]) for _ in range(n))
+        with pytest.raises(StopIteration):
+            it.next_num_microbatches()
+    for step, ids in per_step.items():
+        assert sorted(ids) == list(range(6 * (step + 1), 6 * (step + 2)))
+    with pytest.raises(ValueError, match="global-batch-size"):
+        BalancedPretrainingLoader(
+            dataset, 5, global_batch_size=6, dp_rank=0, dp_size=3, seq_length=4
+        )
+
+
+def test_launcher_resolves_the_script(tmp_path, monkeypatch) -> None:
+    from megatron_odc.integration.launch import resolve_script
+
+    (tmp_path / "pretrain_gpt.py").write_text("")
+    assert resolve_script("pretrain_gpt.py", str(tmp_path)) == str(tmp_path / "pretrain_gpt.py")
+    monkeypatch.chdir(tmp_path)
+    assert resolve_script("pretrain_gpt.py", None) == str(tmp_path / "pretrain_gpt.py")
+    with pytest.raises(ValueError, match="MEGATRON_LM_PATH"):
+        resolve_script("missing.py", str(tmp_path))
+
+
+# ----------------------------------------------------------------------------- end to end
+
+E2E_ARGS = shlex.split(
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
+    "--max-position-embeddings 64 --micro-batch-size 1 --global-batch-size 4 --train-iters 6 "
+    "--lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 1 --weight-decay 0.01 "
+    "--clip-grad 1.0 --seed 1234 --mock-data --tokenizer-type NullTokenizer --vocab-size 1024 "
+    "--split 99,1,0 --eval-iters 1 --eval-interval 1000 --log-interval 1 "
+    "--distributed-backend gloo --transformer-impl local --no-gradient-accumulation-fusion "
+    "--no-persist-layer-norm --no-masked-softmax-fusion --no-bias-gelu-fusion "
+    "--no-bias-dropout-fusion --num-workers 0 --use-cpu-initialization "
+    "--hidden-dropout 0 --attention-dropout 0"
+)
+_LOSS_RE = re.compile(r"iteration\s+(\d+)/.*?lm loss: ([0-9.E+-]+)")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _pretrain_gpt_losses(
+    backend: str, tmp_path: Path, *extra: str, iterations: range = range(1, 7)
+) -> dict[int, float]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    cmd += ["--master-port", str(_free_port()), "-m", "megatron_odc.launch", "pretrain_gpt.py"]
+    cmd += [*E2E_ARGS, "--dp-backend", backend, *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    losses = {int(i): float(v) for i, v in _LOSS_RE.findall(log)}
+    assert sorted(losses) == list(iterations), log[-4000:]
+    return losses
+
+
+@pytest.mark.skipif(not os.environ.get("MEGATRON_LM_PATH"), reason="needs MEGATRON_LM_PATH")
+@pytest.mark.timeout(600)
+def test_pretrain_gpt_end_to_end_odc_equals_ddp(tmp_path) -> None:
+    odc = _pretrain_gpt_losses("odc", tmp_path)
+    ddp = _pretrain_gpt_losses("ddp", tmp_path)
+    for it, loss in ddp.items():
+        assert odc[it] == pytest.approx(loss, rel=1e-5), (it, odc, ddp)
+    assert ddp[1] != ddp[6]  # training moved
+
+
+@pytest.mark.skipif(not os.environ.get("MEGATRON_LM_PATH"), reason="needs MEGATRON_LM_PATH")
+@pytest.mark.timeout(600)
+def test_pretrain_gpt_save_and_resume_odc(tmp_path) -> None:
+    """Megatron-LM's own --save at iteration 3 and --load resume to 6 equal the uninterrupted run."""
+    ckpt = str(tmp_path / "ckpt")
+    full = _pretrain_gpt_losses("odc", tmp_path)
+    _pretrain_gpt_losses(
+        "odc",
+        tmp_path,
+        "--save",
+        ckpt,
+        "--save-interval",
+        "3",
+        "--exit-interval",
+        "3",
+        iterations=range(1, 4),
+    )
+    resumed = _pretrain_gpt_losses("odc", tmp_path, "--load", ckpt, iterations=range(4, 7))
+    assert resumed[4] == pytest.approx(full[4], rel=1e-6), (resumed, full)
+    # Megatron-LM does not reset its loss average after a run's first logged iteration, so the
+    # second one prints the mean of both (the uninterrupted run's iteration 2 does the same).
+    assert resumed[5] == pytest.approx((full[4] + full[5]) / 2, rel=1e-6), (resumed, full)
+    assert resumed[6] == pytest.approx(full[6], rel=1e-6), (resumed, full)
+
+
+_REAL_VALIDATE = """
+import json, os, shlex, sys
+sys.path.append(os.environ["MEGATRON_LM_PATH"])
+from megatron_odc.core import fp8
+from megatron_odc.integration.megatron_lm import apply_megatron_lm_patches
+fp8.require_transformer_engine = lambda feature: None  # flags only: no TE layer is built here
+apply_megatron_lm_patches(cpu=True)
+from megatron.training import arguments
+sys.argv = ["pretrain_gpt.py", *shlex.split(sys.argv[1])]
+args = arguments.parse_args()
+try:
+    arguments.validate_args(args, {})
+except AssertionError as exc:
+    print(json.dumps({"refused": str(exc)}))
+    raise SystemExit(0)
+config = arguments.core_transformer_config_from_args(args)
+print(json.dumps({"fp8_param": config.fp8_param, "fp8": config.fp8, "flag": args.fp8_param_gather,
+                  "distopt": args.use_distributed_optimizer}))
+"""
+
+
+@pytest.mark.skipif(not os.environ.get("MEGATRON_LM_PATH"), reason="needs MEGATRON_LM_PATH")
+@pytest.mark.parametrize("backend", ["odc", "fsdp", "ddp"])
+def test_real_validate_args_lets_fp8_params_through_for_the_odc_engine(backend, tmp_path) -> None:
+    """Megatron-LM's own validate_args: FP8 parameters reach the model config under odc/fsdp only."""
+    import json
+
+    argv = " ".join(E2E_ARGS).replace(
+        "--transformer-impl local", "--transformer-impl transformer_engine"
+    )
+    argv += f" --bf16 --fp8-format hybrid --fp8-param-gather --dp-backend {backend}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": "0", "WORLD_SIZE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _REAL_VALIDATE, argv],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if backend == "ddp":  # Megatron-LM's own rule stands for its own backends
+        assert "only supported with distributed optimizer" in result["refused"], result
+    else:
+        assert result == {"fp8_param": True, "fp8": "hybrid", "flag": True, "distopt": False}

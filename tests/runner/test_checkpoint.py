@@ -1,0 +1,654 @@
+"""Checkpoints through megatron.core.dist_checkpointing: exact resume, resharding, backend interop, atomicity.
+
+Oracles: the uninterrupted run (losses, the optimizer state at the save, the next step's weights), the
+saving run's own gathered full parameters (every load), and megatron-core's own DDP / distopt as the
+other side of each interop direction. Three spawned worlds:
+
+- ``pretrained`` (2 ranks, module fixture): distopt TP=1 x DP=2 pretrains and saves; ODC DP=2 trains
+  and saves, and a fresh ODC model (other seed) resumes from it: weights and optimizer state equal
+  bit for bit, next losses equal; finetune loads weights only; a model of another hidden size fails
+  with a ValueError naming the tensor. The same world makes Megatron-LM's own torch_dist calls on the
+  ODC overrides (``install_megatron_lm_checkpointing``, ``OdcOptimizer.sharded_state_dict`` /
+  ``load_state_dict``): exact resume, a resume from distopt's checkpoint, a weights-only load.
+- ``killed`` (2 ranks, module fixture): rank 1 dies inside the save of iteration 2.
+- ``test_interop_and_resharding`` (4 ranks): distopt -> ODC TP=2 x DP=2 (finetune, and a resume with
+  distopt's fully-reshardable optimizer state), ODC TP=2 -> megatron DDP TP=1 x DP=4 (finetune),
+  ODC DP=2 -> ODC DP=4 (weights and optimizer state), and the killed root's iteration 1.
+
+Ranks are daemonic processes under ``tests/_dist.py``; megatron's torch_dist writer needs child
+processes, so each rank body clears its daemon flag first (``_allow_writer_processes``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests._dist import RankFailureError, run_ranks
+from tests._megatron import SMALL_GPT
+
+CFG_KW = {
+    **SMALL_GPT,
+    # SwiGLU's fc1 is a ShardedTensorFactory in the module's sharded state dict: it exercises the
+    # gathered full-tensor fallback next to the uneven boxes of every other parameter.
+    "swiglu": True,
+}
+HP = {"lr": 3e-3, "weight_decay": 0.1, "clip_grad": 1.0}
+ODC_OPTIONS = {"odc_bucket_size": 3000}  # several buckets; owned slices cut rows mid-way
+PRETRAIN_STEPS = 20  # distopt pretraining steps before the save (issue 5's acceptance)
+FINETUNE_STEPS = 10  # ODC TP=2 x DP=2 steps after the finetune load
+RESUME_STEPS = 2
+TRACKER = "latest_checkpointed_iteration.txt"  # Megatron-LM's name (not imported: keeps megatron
+# out of the pytest process)
+
+
+def _cfg(**overrides):
+    from megatron_odc.mcore.model import GPTConfig
+
+    return GPTConfig(**{**CFG_KW, **overrides})
+
+
+def _forward_step(data_iterator, model):
+    from tests._megatron import _forward_step
+
+    return _forward_step(data_iterator, model)
+
+
+def _batches(cfg, dp_rank: int, step: int, count: int = 2):
+    from tests._megatron import make_batch
+
+    return [make_batch(cfg, 1, seed=1000 * step + 37 * dp_rank + i) for i in range(count)]
+
+
+def _build(backend: str, cfg, seed: int):
+    from megatron.core.optimizer import OptimizerConfig
+
+    from megatron_odc.mcore.backends import build_backend
+    from megatron_odc.mcore.model import build_gpt_model
+
+    model = build_gpt_model(cfg, seed=seed)
+    opt_config = OptimizerConfig(optimizer="adam", params_dtype=cfg.params_dtype, **HP)
+    options = ODC_OPTIONS if backend in ("odc", "fsdp") else None
+    return build_backend(backend, model, opt_config, odc_options=options)
+
+
+def _step(model, optimizer, cfg, step: int) -> float:
+    """One training step on this DP rank's microbatches; returns the global mean token loss."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_odc.mcore.step import train_step
+
+    dp_rank = parallel_state.get_data_parallel_rank()
+    out = train_step(
+        model, optimizer, _forward_step, _batches(cfg, dp_rank, step), seq_length=cfg.seq_length
+    )
+    totals = torch.stack([r["lm loss"] for r in out["losses"]]).sum(dim=0).double()
+    dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
+    return float(totals[0] / totals[1])
+
+
+def _full_params(model) -> dict[str, torch.Tensor]:
+    """The model's full (TP=1) parameters, by unwrapped-module name; collective over DP and TP."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.utils import unwrap_model
+
+    from megatron_odc.mcore.data_parallel import OdcDataParallel
+    from tests._megatron import gather_tp_tensor
+
+    gpt = unwrap_model(model)
+    params = dict(gpt.named_parameters())
+    if isinstance(model, OdcDataParallel):
+        model.engine.transport.fence()  # the last step's shards are visible
+        local = model.engine.full_parameters()
+    else:
+        local = {n: p.detach().clone() for n, p in params.items()}
+    out = {}
+    for name in sorted(params):
+        value = gather_tp_tensor(local[name], params[name]).contiguous()
+        if not getattr(params[name], "tensor_model_parallel", False):
+            # TP-replicated: checkpoints hold TP rank 0's copy (the main replica). ODC's replicas
+            # may differ in the last bit (peers' pushes are summed in arrival order).
+            src = dist.get_global_rank(parallel_state.get_tensor_model_parallel_group(), 0)
+            dist.broadcast(value, src=src, group=parallel_state.get_tensor_model_parallel_group())
+        out[name] = value
+    return out
+
+
+def _allow_writer_processes() -> None:
+    """Let this rank start child processes, as a torchrun worker may.
+
+    ``tests/_dist.py`` spawns ranks as daemonic processes, and a daemonic process may not have
+    children; megatron's torch_dist writer starts a ``multiprocessing`` Manager and forks writer
+    processes. Clearing the flag is confined to the test rank; real launchers are not daemonic.
+    """
+    import multiprocessing
+
+    multiprocessing.current_process()._config["daemon"] = False
+
+
+def _stop_writer_manager() -> None:
+    """Shut down the Manager megatron's writer started (before a deliberate ``os._exit``)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    queue = filesystem_async._results_queue
+    if queue is not None:
+        queue._manager.shutdown()
+
+
+def _odc_optimizer_state(opt) -> list[tuple]:
+    """(name, step, main, exp_avg, exp_avg_sq) per owned piece of an OdcOptimizer (copies)."""
+    out = []
+    for piece, *_ in opt._pieces:
+        state = opt.optimizer.state[piece]
+        out.append(
+            (
+                piece.odc_name,
+                float(state["step"]),
+                piece.detach().clone(),
+                state["exp_avg"].clone(),
+                state["exp_avg_sq"].clone(),
+            )
+        )
+    return out
+
+
+def _optimizer_checksums(model, opt) -> dict[str, torch.Tensor]:
+    """Per parameter: position-weighted sums of main / exp_avg / exp_avg_sq over DP (fp64, TP=1).
+
+    Placement-sensitive (element i weighs i + 1), so state loaded into the wrong slice shows.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    engine = model.engine
+    flat_start = {}
+    for bucket in engine.layout.buckets:
+        shard_start, _ = bucket.shard_range(engine.dp_rank)
+        for slot, start, _end in bucket.owned_pieces(engine.dp_rank):
+            flat_start[(bucket.index, slot.bucket_offset + start - shard_start)] = (
+                slot.param_offset + start
+            )
+    names = sorted(n for n, _ in engine.parameters())
+    sums = torch.zeros(len(names), 3, dtype=torch.float64)
+    for piece, _eng, bucket_index, lo, hi in opt._pieces:
+        start = flat_start[(bucket_index, lo)]
+        weights = torch.arange(start + 1, start + 1 + hi - lo, dtype=torch.float64)
+        state = opt.optimizer.state[piece]
+        row = names.index(piece.odc_name)
+        for col, tensor in enumerate((piece.detach(), state["exp_avg"], state["exp_avg_sq"])):
+            sums[row, col] += (tensor.double() * weights).sum()
+    dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
+    return {n: sums[i] for i, n in enumerate(names)}
+
+
+def _same_optimizer_state(a: list[tuple], b: list[tuple]) -> bool:
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x[:2] != y[:2] or not all(torch.equal(u, v) for u, v in zip(x[2:], y[2:])):
+            return False
+    return True
+
+
+def _check_flat_range_boxes() -> list[str]:
+    """Boxes from ``flat_range_boxes`` tile exactly the flat range (an element-marking oracle)."""
+    from megatron_odc.runner.checkpoint import flat_range_boxes
+
+    gen = torch.Generator().manual_seed(3)
+    problems = []
+    for shape in [(7,), (5, 8), (1, 9), (6, 1), (3, 4, 5), (2, 3, 4, 2)]:
+        numel = int(torch.tensor(shape).prod())
+        for _ in range(40):
+            start, end = sorted(torch.randint(0, numel + 1, (2,), generator=gen).tolist())
+            marks = torch.zeros(shape, dtype=torch.int64)
+            boxes = flat_range_boxes(shape, start, end)
+            for offset, box, flat_offset in boxes:
+                region = marks[tuple(slice(o, o + b) for o, b in zip(offset, box))]
+                region += 1
+                first = int(torch.arange(numel).reshape(shape)[tuple(offset)])
+                if first != flat_offset:
+                    problems.append(f"{shape} [{start},{end}): box {offset} flat {flat_offset}")
+            want = torch.zeros(numel, dtype=torch.int64)
+            want[start:end] = 1
+            if not torch.equal(marks.reshape(-1), want):
+                problems.append(f"{shape} [{start},{end}): boxes {boxes} do not tile the range")
+            if len(shape) == 2 and len(boxes) > 3:
+                problems.append(f"{shape} [{start},{end}): {len(boxes)} boxes for a 2-D range")
+    return problems
+
+
+def _mlm_metadata() -> dict:
+    """The content metadata Megatron-LM passes to both ``sharded_state_dict`` calls (no distopt)."""
+    from megatron.core import parallel_state
+
+    return {
+        "singleton_local_shards": False,
+        "chained_optim_avoid_prefix": True,
+        "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True),
+    }
+
+
+def _mlm_save(model, opt, directory: Path, iteration: int) -> None:
+    """What Megatron-LM's ``save_checkpoint`` does with torch_dist (``generate_state_dict``)."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core.utils import unwrap_model
+
+    from megatron_odc.integration.megatron_lm import OdcChainedOptimizer
+
+    if dist.get_rank() == 0:
+        directory.mkdir(parents=True)
+    dist.barrier()
+    metadata = _mlm_metadata()
+    state = {
+        "iteration": iteration,
+        "model": unwrap_model(model).sharded_state_dict(metadata=metadata),
+    }
+    state["optimizer"] = OdcChainedOptimizer([opt]).sharded_state_dict(state, metadata=metadata)
+    dist_checkpointing.save(state, str(directory))
+
+
+def _mlm_load(model, opt, directory: Path, *, load_optim: bool) -> int:
+    """What Megatron-LM's ``load_checkpoint`` does with torch_dist: model, then optimizer."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.utils import unwrap_model
+
+    from megatron_odc.integration.megatron_lm import OdcChainedOptimizer
+
+    metadata = _mlm_metadata()
+    chained = OdcChainedOptimizer([opt])
+    state = {"model": unwrap_model(model).sharded_state_dict(metadata=metadata)}
+    if load_optim:
+        state["optimizer"] = chained.sharded_state_dict(state, is_loading=True, metadata=metadata)
+    loaded = dist_checkpointing.load(state, str(directory))
+    model.load_state_dict(loaded["model"], strict=True)
+    if load_optim:
+        chained.load_state_dict(loaded["optimizer"])
+    return int(loaded["iteration"])
+
+
+def _mains_equal_model_shards(model, opt) -> bool:
+    engine = model.engine
+    return all(
+        torch.equal(main, engine.param_shard(bucket.index).float())
+        for bucket, main in zip(engine.layout.buckets, opt._main_shards[0])
+    )
+
+
+def _max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, str]:
+    assert sorted(a) == sorted(b), (sorted(a), sorted(b))
+    return max((float((a[n] - b[n]).abs().max()), n) for n in a)
+
+
+# ---------------------------------------------------------------------------------------- world A
+
+
+def _run_pretrain_and_resume(rank, world_size, root: str):
+    import torch.distributed as dist
+
+    from megatron_odc.runner.checkpoint import (
+        install_megatron_lm_checkpointing,
+        latest_iteration,
+        load_checkpoint,
+        save_checkpoint,
+    )
+    from tests._megatron import init_megatron, teardown_megatron
+
+    _allow_writer_processes()
+    root_path = Path(root)
+    out: dict = {}
+    init_megatron(1, seed=5)
+    try:
+        cfg = _cfg()
+        # distopt pretrain, save.
+        model, opt = _build("distopt", cfg, seed=11)
+        for step in range(PRETRAIN_STEPS):
+            _step(model, opt, cfg, step)
+        save_checkpoint(root_path / "distopt", PRETRAIN_STEPS, model, opt, extra_state={"r": rank})
+        full = _full_params(model)
+        # The uninterrupted continuation, for the distopt -> ODC resume in world B.
+        distopt_loss = _step(model, opt, cfg, PRETRAIN_STEPS)
+        if rank == 0:
+            torch.save(full, root_path / "distopt_params.pt")
+            torch.save(
+                {"loss": distopt_loss, "params": _full_params(model)},
+                root_path / "distopt_next.pt",
+            )
+        else:
+            _full_params(model)
+
+        # ODC: 2 steps, save, 2 more steps (the uninterrupted reference).
+        model, opt = _build("odc", cfg, seed=11)
+        for step in range(2):
+            _step(model, opt, cfg, step)
+        extra = {"rank": rank, "note": f"rank {rank}", "rng": torch.get_rng_state()}
+        save_checkpoint(root_path / "odc_dp2", 2, model, opt, extra_state=extra)
+        # The same state through Megatron-LM's own path (the instance overrides).
+        install_megatron_lm_checkpointing(model, opt)
+        _mlm_save(model, opt, root_path / "mlm_odc_dp2", 2)
+        saved = _full_params(model)
+        saved_opt = _odc_optimizer_state(opt)
+        checksums = _optimizer_checksums(model, opt)
+        if rank == 0:
+            torch.save(saved, root_path / "odc_dp2_params.pt")
+            torch.save(checksums, root_path / "odc_dp2_optimizer.pt")
+        ref_losses = [_step(model, opt, cfg, step) for step in range(2, 2 + RESUME_STEPS)]
+        ref_final = _full_params(model)
+        model.close()
+
+        # Fresh ODC model with other weights: load, compare, resume.
+        model, opt = _build("odc", cfg, seed=23)
+        before = _full_params(model)
+        iteration, loaded_extra = load_checkpoint(root_path / "odc_dp2", model, opt)
+        loaded = _full_params(model)
+        loaded_opt = _odc_optimizer_state(opt)
+        losses = [_step(model, opt, cfg, step) for step in range(2, 2 + RESUME_STEPS)]
+        out["odc"] = {
+            "iteration": iteration,
+            "latest": latest_iteration(root_path / "odc_dp2"),
+            "extra_rank": loaded_extra["rank"],
+            "extra_rng_equal": torch.equal(loaded_extra["rng"], extra["rng"]),
+            "before_diff": _max_abs_diff(before, saved),
+            "loaded_diff": _max_abs_diff(loaded, saved),
+            "optimizer_equal": _same_optimizer_state(loaded_opt, saved_opt),
+            "optimizer_nonzero": all(float(x[3].abs().sum()) > 0 for x in saved_opt),
+            "ref_losses": ref_losses,
+            "losses": losses,
+            "final_diff": _max_abs_diff(_full_params(model), ref_final),
+        }
+
+        # Finetune-load of the same checkpoint: weights only.
+        model2, opt2 = _build("odc", cfg, seed=29)
+        ft = load_checkpoint(root_path / "odc_dp2", model2, opt2, finetune=True)
+        out["finetune"] = {"ret": ft, "diff": _max_abs_diff(_full_params(model2), saved)}
+        model2.close()
+        model.close()
+
+        # Megatron-LM's path: resume the ODC checkpoint it wrote (a model of other weights)...
+        model, opt = _build("odc", cfg, seed=47)
+        install_megatron_lm_checkpointing(model, opt)
+        mlm: dict = {"iteration": _mlm_load(model, opt, root_path / "mlm_odc_dp2", load_optim=True)}
+        mlm["loaded_diff"] = _max_abs_diff(_full_params(model), saved)
+        mlm["optimizer_equal"] = _same_optimizer_state(_odc_optimizer_state(opt), saved_opt)
+        mlm["losses"] = [_step(model, opt, cfg, step) for step in range(2, 2 + RESUME_STEPS)]
+        mlm["final_diff"] = _max_abs_diff(_full_params(model), ref_final)
+        model.close()
+        # ...resume distopt's fully-reshardable checkpoint (stock megatron-core sharded state)...
+        model, opt = _build("odc", cfg, seed=53)
+        install_megatron_lm_checkpointing(model, opt)
+        distopt_dir = root_path / "distopt" / f"iter_{PRETRAIN_STEPS:07d}"
+        mlm["distopt_iteration"] = _mlm_load(model, opt, distopt_dir, load_optim=True)
+        mlm["distopt_diff"] = _max_abs_diff(_full_params(model), full)
+        mlm["distopt_loss"] = (_step(model, opt, cfg, PRETRAIN_STEPS), distopt_loss)
+        model.close()
+        # ...and load its weights only: the main shards follow the loaded weights.
+        model, opt = _build("odc", cfg, seed=59)
+        install_megatron_lm_checkpointing(model, opt)
+        _mlm_load(model, opt, distopt_dir, load_optim=False)
+        mlm["weights_only_diff"] = _max_abs_diff(_full_params(model), full)
+        mlm["weights_only_mains"] = _mains_equal_model_shards(model, opt)
+        out["mlm"] = mlm
+        model.close()
+
+        # A model of another hidden size must be refused, naming the tensor.
+        bad, bad_opt = _build("odc", _cfg(hidden_size=48), seed=11)
+        try:
+            load_checkpoint(root_path / "odc_dp2", bad, bad_opt)
+            out["bad"] = None
+        except ValueError as exc:
+            out["bad"] = str(exc)
+        bad.close()
+        out["latest_missing"] = latest_iteration(root_path / "nowhere")
+        out["box_problems"] = _check_flat_range_boxes() if rank == 0 else []
+        dist.barrier()
+        return out
+    finally:
+        teardown_megatron()
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    results = run_ranks(_run_pretrain_and_resume, 2, str(root), timeout_s=300, pg_timeout_s=120)
+    return root, results
+
+
+def test_odc_resume_is_exact(pretrained) -> None:
+    _, results = pretrained
+    for rank, res in enumerate(results):
+        odc = res["odc"]
+        assert odc["iteration"] == 2
+        assert odc["latest"] == 2
+        assert odc["extra_rank"] == rank
+        assert odc["extra_rng_equal"]
+        assert odc["before_diff"][0] > 0, "the fresh model must start from other weights"
+        assert odc["loaded_diff"][0] == 0.0, (
+            f"rank {rank}: loaded weights differ: {odc['loaded_diff']}"
+        )
+        for step, (got, want) in enumerate(zip(odc["losses"], odc["ref_losses"])):
+            assert abs(got - want) <= 1e-6 * abs(want), f"rank {rank} step {step}: {got} vs {want}"
+        # fp32 main shards, Adam moments and step counts come back bit for bit...
+        assert odc["optimizer_nonzero"], f"rank {rank}: no Adam state to compare"
+        assert odc["optimizer_equal"], f"rank {rank}: loaded optimizer state differs"
+        # ...so the trajectories coincide (up to the order in which peers' pushes are summed).
+        assert odc["final_diff"][0] <= 1e-6, f"rank {rank}: final params differ {odc['final_diff']}"
+        ft = res["finetune"]
+        assert ft["ret"] == (0, {})
+        assert ft["diff"][0] == 0.0
+
+
+def test_megatron_lm_checkpointing_path(pretrained) -> None:
+    """Megatron-LM's own save / load calls on the ODC overrides: exact resume and interop."""
+    _, results = pretrained
+    for rank, res in enumerate(results):
+        odc, mlm = res["odc"], res["mlm"]
+        assert mlm["iteration"] == 2
+        assert mlm["loaded_diff"][0] == 0.0, (
+            f"rank {rank}: loaded weights differ {mlm['loaded_diff']}"
+        )
+        assert mlm["optimizer_equal"], f"rank {rank}: loaded optimizer state differs"
+        for step, (got, want) in enumerate(zip(mlm["losses"], odc["ref_losses"])):
+            assert abs(got - want) <= 1e-6 * abs(want), f"rank {rank} step {step}: {got} vs {want}"
+        assert mlm["final_diff"][0] <= 1e-6, f"rank {rank}: final params differ {mlm['final_diff']}"
+        assert mlm["distopt_iteration"] == PRETRAIN_STEPS
+        assert mlm["distopt_diff"][0] == 0.0, f"rank {rank}: {mlm['distopt_diff']}"
+        got, want = mlm["distopt_loss"]
+        assert abs(got - want) <= 1e-6 * abs(want), f"rank {rank}: {got} vs distopt's {want}"
+        assert mlm["weights_only_diff"][0] == 0.0, f"rank {rank}: {mlm['weights_only_diff']}"
+        assert mlm["weights_only_mains"], f"rank {rank}: main shards not refreshed from the weights"
+
+
+def test_incompatible_checkpoint_names_the_tensor(pretrained) -> None:
+    _, results = pretrained
+    for res in results:
+        assert res["bad"] is not None, "loading a hidden-size-48 model from a 40 checkpoint passed"
+        assert "embedding.word_embeddings.weight" in res["bad"] or "decoder." in res["bad"]
+        assert "(96, 40)" in res["bad"] or "40" in res["bad"]
+
+
+def test_tracker_and_layout(pretrained) -> None:
+    root, results = pretrained
+    assert (root / "distopt" / TRACKER).read_text().strip() == str(PRETRAIN_STEPS)
+    assert sorted(p.name for p in (root / "odc_dp2").iterdir()) == ["iter_0000002", TRACKER]
+    assert sorted(p.name for p in (root / "odc_dp2" / "iter_0000002").glob("extra_state_*")) == [
+        "extra_state_rank0.pt",
+        "extra_state_rank1.pt",
+    ]
+    assert results[0]["latest_missing"] is None
+
+
+def test_flat_range_boxes_tile_the_range(pretrained) -> None:
+    _, results = pretrained
+    assert results[0]["box_problems"] == []
+
+
+# ---------------------------------------------------------------------------------------- world B
+
+
+def _run_interop(rank, world_size, root: str, killed_root: str):
+    import torch.distributed as dist
+
+    from megatron_odc.runner.checkpoint import latest_iteration, load_checkpoint, save_checkpoint
+    from tests._megatron import init_megatron, teardown_megatron
+
+    _allow_writer_processes()
+    root_path = Path(root)
+    out: dict = {}
+    cfg = _cfg()
+    init_megatron(2, seed=5)
+    try:
+        # distopt TP=1 x DP=2 -> ODC TP=2 x DP=2, finetune; train; save.
+        model, opt = _build("odc", cfg, seed=31)
+        ret = load_checkpoint(root_path / "distopt", model, opt, finetune=True)
+        want = torch.load(root_path / "distopt_params.pt")
+        out["distopt_to_odc"] = {"ret": ret, "diff": _max_abs_diff(_full_params(model), want)}
+        out["odc_tp2_losses"] = [_step(model, opt, cfg, step) for step in range(FINETUNE_STEPS)]
+        save_checkpoint(root_path / "odc_tp2", FINETUNE_STEPS, model, opt, extra_state={"r": rank})
+        odc_tp2_params = _full_params(model)
+        model.close()
+
+        # distopt -> ODC TP=2 with its fully-reshardable optimizer state: continue where it stopped.
+        model, opt = _build("odc", cfg, seed=43)
+        iteration, _ = load_checkpoint(root_path / "distopt", model, opt)
+        ref = torch.load(root_path / "distopt_next.pt")
+        out["distopt_resume"] = {
+            "iteration": iteration,
+            "diff": _max_abs_diff(_full_params(model), want),
+            "loss": _step(model, opt, cfg, PRETRAIN_STEPS),
+            "ref_loss": ref["loss"],
+        }
+        out["distopt_resume"]["next_diff"] = _max_abs_diff(_full_params(model), ref["params"])
+        model.close()
+    finally:
+        teardown_megatron()
+
+    init_megatron(1, seed=5)
+    try:
+        # ODC TP=2 x DP=2 -> megatron DDP TP=1 x DP=4, finetune.
+        model, opt = _build("ddp", cfg, seed=37)
+        load_checkpoint(root_path / "odc_tp2", model, opt, finetune=True)
+        out["odc_to_ddp"] = _max_abs_diff(_full_params(model), odc_tp2_params)
+        out["ddp_loss"] = _step(model, opt, cfg, 7)
+
+        # ODC DP=2 -> ODC DP=4: weights and optimizer state land in the new owners' slices.
+        model, opt = _build("odc", cfg, seed=41)
+        iteration, extra = load_checkpoint(root_path / "odc_dp2", model, opt)
+        out["dp2_to_dp4"] = {
+            "iteration": iteration,
+            "extra": extra["rank"],
+            "diff": _max_abs_diff(_full_params(model), torch.load(root_path / "odc_dp2_params.pt")),
+            "checksums": _optimizer_checksums(model, opt),
+        }
+        out["dp4_loss"] = _step(model, opt, cfg, 2)
+
+        # The checkpoint a killed save left behind loads in this fresh world (into the same model).
+        iteration, extra = load_checkpoint(killed_root, model, opt)
+        out["after_kill"] = {
+            "latest": latest_iteration(killed_root),
+            "iteration": iteration,
+            "extra": extra,
+            "diff": _max_abs_diff(
+                _full_params(model), torch.load(Path(killed_root) / "params_1.pt")
+            ),
+        }
+        model.close()
+        dist.barrier()
+        return out
+    finally:
+        teardown_megatron()
+
+
+def test_interop_and_resharding(pretrained, killed) -> None:
+    root, _ = pretrained
+    results = run_ranks(_run_interop, 4, str(root), str(killed), timeout_s=300, pg_timeout_s=120)
+    want_checksums = torch.load(root / "odc_dp2_optimizer.pt")
+    for rank, res in enumerate(results):
+        d2o = res["distopt_to_odc"]
+        assert d2o["ret"] == (0, {})
+        assert d2o["diff"][0] == 0.0, (
+            f"rank {rank}: distopt -> ODC TP=2 weights differ {d2o['diff']}"
+        )
+        assert all(torch.isfinite(torch.tensor(res["odc_tp2_losses"])))
+        resume = res["distopt_resume"]
+        assert resume["iteration"] == PRETRAIN_STEPS
+        assert resume["diff"][0] == 0.0
+        got, want = resume["loss"], resume["ref_loss"]
+        assert abs(got - want) <= 1e-5 * abs(want), f"rank {rank}: {got} vs {want}"
+        # One Adam step from the loaded moments lands where distopt's own next step did (TP=2 vs
+        # TP=1 rounding only); zero or misplaced moments would move the weights by ~lr.
+        assert resume["next_diff"][0] <= 1e-5, f"rank {rank}: {resume['next_diff']}"
+        assert res["odc_to_ddp"][0] == 0.0, (
+            f"rank {rank}: ODC -> DDP weights differ {res['odc_to_ddp']}"
+        )
+        assert torch.isfinite(torch.tensor(res["ddp_loss"]))
+        d24 = res["dp2_to_dp4"]
+        assert d24["iteration"] == 2
+        assert d24["extra"] == 0, "another world size gets rank 0's extra state"
+        assert d24["diff"][0] == 0.0, f"rank {rank}: DP=2 -> DP=4 weights differ {d24['diff']}"
+        assert sorted(d24["checksums"]) == sorted(want_checksums)
+        for name, got in d24["checksums"].items():
+            want = want_checksums[name]
+            assert torch.allclose(got, want, rtol=1e-9, atol=0.0), f"{name}: {got} vs {want}"
+        assert torch.isfinite(torch.tensor(res["dp4_loss"]))
+        kill = res["after_kill"]
+        assert kill["latest"] == 1
+        assert kill["iteration"] == 1
+        assert kill["extra"] == {"r": 0}, "4 ranks load a 2-rank checkpoint: rank 0's extra state"
+        assert kill["diff"][0] == 0.0, f"rank {rank}: weights of iteration 1 differ {kill['diff']}"
+
+
+# ---------------------------------------------------------------------------------------- kill
+
+
+def _run_kill(rank, world_size, root: str):
+    import megatron_odc.runner.checkpoint as ckpt
+    from tests._megatron import init_megatron, teardown_megatron
+
+    _allow_writer_processes()
+    init_megatron(1, seed=5)
+    try:
+        cfg = _cfg()
+        model, opt = _build("odc", cfg, seed=11)
+        _step(model, opt, cfg, 0)
+        ckpt.save_checkpoint(root, 1, model, opt, extra_state={"r": rank})
+        if rank == 0:
+            torch.save(_full_params(model), Path(root) / "params_1.pt")
+        else:
+            _full_params(model)
+        _step(model, opt, cfg, 1)
+        original = ckpt._save_sharded
+
+        def dying_save(state, checkpoint_dir):
+            original(state, checkpoint_dir)  # every rank has written its shards...
+            if rank == 1:
+                _stop_writer_manager()
+                os._exit(17)  # ...but rank 1 dies before the barrier and the rename
+
+        ckpt._save_sharded = dying_save
+        ckpt.save_checkpoint(root, 2, model, opt, extra_state={"r": rank})
+        return "survived"
+    finally:
+        teardown_megatron()
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """A checkpoint root where iteration 1 completed and a rank died inside the save of iteration 2."""
+    root = tmp_path_factory.mktemp("killed") / "ckpt"
+    with pytest.raises(RankFailureError, match=r"rank 1 died with exit code 17"):
+        run_ranks(_run_kill, 2, str(root), timeout_s=200, pg_timeout_s=20)
+    return root
+
+
+def test_kill_during_save_keeps_previous_checkpoint(killed) -> None:
+    assert (killed / TRACKER).read_text().strip() == "1"
+    assert (killed / "iter_0000001" / "metadata.json").is_file()
+    assert not (killed / "iter_0000002").exists()
+    leftovers = [p.name for p in killed.iterdir() if p.name.startswith("iter_0000002.tmp-")]
+    assert len(leftovers) == 1, "the interrupted save wrote into its temporary directory"
+    # Loading it in a fresh world is checked by test_interop_and_resharding (4 ranks).

@@ -1,0 +1,311 @@
+"""The training entry ``python -m megatron_odc.train``: it trains, backends agree, resume is exact, bad flags fail.
+
+Three layers, cheapest first:
+
+- flag checks in-process (:func:`megatron_odc.arguments.validate_args`, no torch needed) and one
+  ``python -m megatron_odc.train`` subprocess that must exit with status 2 and name the flag before
+  training;
+- rank bodies (``tests/_dist.py::run_ranks``) calling :func:`megatron_odc.train.train` several times in
+  one spawned world: every backend and plan must give the same per-iteration losses as ODC with LB-Mini
+  (the per-token loss makes each update the exact global mean, whatever the split), in SFT mode and in
+  pretraining mode on a Megatron indexed dataset;
+- the README's main command under ``torch.distributed.run`` with 2 CPU ranks (shortened with
+  ``--train-iters``): the loss starts near ``ln(vocab)`` (a fresh model predicts nearly uniformly) and
+  falls, the learning rate follows the warmup, the Megatron-style log lines are there; and the same
+  command interrupted after 5 iterations (``--save --exit-interval 5``) and resumed in new processes
+  (``--load``) must log the uninterrupted run's losses (torchrun, not run_ranks: the torch_dist
+  checkpoint writer starts a multiprocessing manager, which a daemonic run_ranks child may not).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from megatron_odc.runner.arguments import build_parser, transformer_engine_available, validate_args
+from tests._dist import run_ranks
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SMALL = ["--log-interval", "1", "--global-batch-size", "8", "--synthetic-num-samples", "64"]
+"""A smaller minibatch and data set than the default, for the rank bodies."""
+
+
+def _validated(argv: list[str], world_size: int = 2):
+    return validate_args(build_parser().parse_args(argv), world_size=world_size)
+
+
+# Flags #
+
+
+BAD_FLAGS = [
+    (
+        ["--dp-backend", "odc", "--pipeline-model-parallel-size", "2"],
+        "--pipeline-model-parallel-size",
+    ),
+    (["--balance", "lb_mini", "--dp-backend", "fsdp"], "--balance"),
+    (["--balance", "local_sort", "--dp-backend", "fsdp"], "--balance"),
+    (["--dp-backend", "fsdp", "--odc-transport", "shm"], "--odc-transport"),
+    (["--micro-batch-size", "2"], "--micro-batch-size"),
+    (["--no-calculate-per-token-loss"], "--no-calculate-per-token-loss"),
+    (["--tensor-model-parallel-size", "4"], "--tensor-model-parallel-size"),
+    (["--num-attention-heads", "3"], "--num-attention-heads"),
+    (["--sequence-parallel"], "--sequence-parallel"),
+    (["--max-tokens-per-microbatch", "200"], "--max-tokens-per-microbatch"),
+    (["--data-path", "/nonexistent/prefix"], "--data-path"),
+    (["--sft", "--data-path", "/nonexistent/file.jsonl"], "--data-path"),
+    (["--bf16", "--fp16"], "--bf16"),
+    (["--sft"], "--sft"),
+    (["--data-path", "/nonexistent/prefix", "--max-tokens-per-microbatch", "64"], "--data-path"),
+    (["--min-lr", "1.0"], "--min-lr"),
+    (["--finetune"], "--finetune"),
+    (["--fp8-param-gather"], "--fp8-param-gather"),
+    (
+        ["--fp8-format", "hybrid", "--fp8-param-gather", "--fp8-recipe", "mxfp8"],
+        "--fp8-param-gather",
+    ),
+]
+TE_BAD_FLAGS = [
+    (["--fp8-format", "hybrid"], "--fp8-format"),
+    (["--transformer-impl", "transformer_engine"], "--transformer-impl"),
+]
+
+
+@pytest.mark.parametrize(("argv", "flag"), BAD_FLAGS + TE_BAD_FLAGS)
+def test_bad_flags_are_refused_naming_the_flag(argv, flag):
+    if (argv, flag) in TE_BAD_FLAGS and transformer_engine_available():
+        pytest.skip("TransformerEngine is installed: the flag is valid here")
+    with pytest.raises(ValueError, match=re.escape(flag)):
+        _validated(argv)
+
+
+def test_defaults_are_filled_per_backend():
+    odc = _validated([])
+    assert (odc.balance, odc.odc_transport, odc.sft) == ("lb_mini", "auto", True)
+    assert odc.max_tokens_per_microbatch == odc.seq_length == odc.max_position_embeddings
+    assert odc.lr_decay_iters == odc.train_iters
+    assert odc.lr_warmup_iters < odc.lr_decay_iters
+    fsdp = _validated(["--dp-backend", "fsdp"])
+    assert (fsdp.balance, fsdp.odc_transport) == ("lb_micro", "collective")
+    assert _validated(["--dp-backend", "ddp"]).balance == "lb_mini"
+    assert _validated(["--train-iters", "2"]).lr_warmup_iters == 1
+
+
+def _clean_env(shm_dir: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1", MEGATRON_ODC_SHM_DIR=str(shm_dir))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+@pytest.fixture
+def shm_dir():
+    path = Path("/dev/shm") / f"megatron_odc_test_train_{uuid.uuid4().hex[:12]}"
+    path.mkdir()
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def test_cli_exits_before_training_on_a_bad_flag(tmp_path, shm_dir):
+    argv = ["--dp-backend", "odc", "--pipeline-model-parallel-size", "2"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_odc.train", *argv],
+        cwd=tmp_path,
+        env=_clean_env(shm_dir),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "--pipeline-model-parallel-size" in proc.stderr
+    assert "iteration" not in proc.stdout
+    assert not (tmp_path / "runs").exists(), "the data set was generated before the flag check"
+
+
+# The main command #
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+ITERATION_LINE = re.compile(
+    r"iteration\s+(\d+)/\s*(\d+) \| consumed samples:\s+(\d+) \| .*learning rate: (\S+) \| "
+    r".*lm loss: (\S+) \| grad norm: (\S+) \| tokens/s: \d+ \| num microbatches min/max: (\d+)/(\d+)"
+    r" \| .*odc compute imbalance: \S+x \| fetch/push/fence wait .* \| ETA \d+:\d\d:\d\d"
+)
+SUMMARY_LINE = re.compile(r"training finished .*first lm loss: (\S+) \| final lm loss: (\S+)")
+
+
+def _torchrun(argv: list[str], cwd: Path, shm: Path) -> str:
+    """Runs the entry on 2 CPU ranks; returns its stdout (asserting exit status 0)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(_free_port()),
+        "-m",
+        "megatron_odc.train",
+        *argv,
+    ]
+    proc = subprocess.run(
+        ["timeout", "150", *cmd],
+        cwd=cwd,
+        env=_clean_env(shm),
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc.stdout
+
+
+def _logged_losses(stdout: str) -> dict[int, float]:
+    return {int(m[0]): float(m[4]) for m in ITERATION_LINE.findall(stdout)}
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    """The README's main command, shortened to 10 iterations and logging every iteration."""
+    workdir = tmp_path_factory.mktemp("default_run")
+    shm = Path("/dev/shm") / f"megatron_odc_test_train_{uuid.uuid4().hex[:12]}"
+    shm.mkdir()
+    try:
+        stdout = _torchrun(["--train-iters", "10", "--log-interval", "1"], workdir, shm)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    return workdir, stdout
+
+
+def test_default_command_trains_on_two_cpu_ranks(default_run):
+    workdir, stdout = default_run
+    lines = ITERATION_LINE.findall(stdout)
+    assert [int(m[0]) for m in lines] == list(range(1, 11)), stdout[-3000:]
+    assert all(int(m[1]) == 10 for m in lines)
+    assert [int(m[2]) for m in lines] == [16 * i for i in range(1, 11)]  # default global batch 16
+    assert all(1 <= int(m[6]) <= int(m[7]) for m in lines)
+    # Warmup from 0 over 3 iterations (Megatron's scheduler, stepped after each update), then decay.
+    lrs = [float(m[3]) for m in lines]
+    assert lrs[:4] == pytest.approx([0.0, 1e-3, 2e-3, 3e-3])
+    assert lrs[3:] == sorted(lrs[3:], reverse=True)
+    summary = SUMMARY_LINE.search(stdout)
+    assert summary is not None, stdout[-3000:]
+    first, final = float(summary.group(1)), float(summary.group(2))
+    losses = _logged_losses(stdout)
+    assert (first, final) == (losses[1], losses[10])
+    # A fresh model (init std 0.02) predicts almost uniformly over the padded byte vocabulary (384).
+    assert abs(first - math.log(384)) < 0.3, first
+    assert final < first - 1.0, (first, final)
+    # Rank 1 logs no training lines; the data set was generated under the working directory.
+    assert stdout.count("training finished") == 1
+    assert list((workdir / "runs" / "cpu-default").glob("synthetic_sft_*.jsonl"))
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("megatron_odc.checkpoint") is None,
+    reason="megatron_odc.checkpoint is not there yet",
+)
+def test_resume_repeats_the_uninterrupted_losses(default_run, tmp_path, shm_dir):
+    _, straight_stdout = default_run
+    straight = _logged_losses(straight_stdout)
+    ckpt = str(tmp_path / "ckpt")
+    common = ["--train-iters", "10", "--log-interval", "1", "--save", ckpt]
+    first_half = _logged_losses(_torchrun([*common, "--exit-interval", "5"], tmp_path, shm_dir))
+    assert sorted(first_half) == [1, 2, 3, 4, 5]
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "5"
+    # Megatron-LM users pass --save and --load together; no --save here spares a second save (~8 s).
+    resumed = _torchrun([*common[:-2], "--load", ckpt], tmp_path, shm_dir)
+    assert "resumed from" in resumed
+    second_half = _logged_losses(resumed)
+    assert sorted(second_half) == [6, 7, 8, 9, 10]
+    for it, loss in {**first_half, **second_half}.items():
+        assert loss == pytest.approx(straight[it], rel=1e-6, abs=0.0), it
+
+
+# Rank bodies #
+
+
+def _train_losses(argv: list[str]) -> dict[int, float]:
+    from megatron_odc.runner.trainer import train
+
+    args = validate_args(build_parser().parse_args(argv), world_size=2)
+    return train(args).losses
+
+
+def _write_indexed_dataset(prefix: str, num_docs: int) -> None:
+    """Megatron indexed dataset of byte-tokenised word salad, one EOD-terminated document each."""
+    import random
+
+    import numpy
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    from megatron_odc.data import ByteTokenizer
+
+    tokenizer, rng = ByteTokenizer(), random.Random(0)
+    words = ["the", "model", "reads", "a", "long", "document", "and", "answers", "questions"]
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.uint16)
+    for _ in range(num_docs):
+        text = " ".join(rng.choice(words) for _ in range(rng.randint(5, 40)))
+        ids = [*tokenizer.encode(text), tokenizer.eos_id]
+        builder.add_document(torch.tensor(ids), [len(ids)])
+    builder.finalize(prefix + ".idx")
+
+
+def _run_backends(rank: int, world_size: int, workdir: str) -> dict[str, dict[int, float]]:
+    import torch.distributed as dist
+
+    del world_size
+    os.chdir(workdir)
+    common = [*SMALL, "--train-iters", "6"]
+    runs = {
+        "odc lb_mini": [],
+        "odc round_robin": ["--balance", "round_robin"],
+        "fsdp lb_micro": ["--dp-backend", "fsdp"],
+        "ddp lb_mini": ["--dp-backend", "ddp"],
+        "distopt local_sort": ["--dp-backend", "distopt", "--balance", "local_sort"],
+    }
+    results = {name: _train_losses([*common, *extra]) for name, extra in runs.items()}
+    prefix = os.path.join(workdir, "docs")
+    if rank == 0:
+        _write_indexed_dataset(prefix, num_docs=60)
+    dist.barrier()
+    pretrain = [*SMALL, "--train-iters", "5", "--seq-length", "64", "--data-path", prefix]
+    results["pretrain odc"] = _train_losses(pretrain)
+    results["pretrain ddp"] = _train_losses([*pretrain, "--dp-backend", "ddp"])
+    return results
+
+
+def test_backends_and_plans_train_the_same_model(tmp_path):
+    results = run_ranks(_run_backends, 2, str(tmp_path), timeout_s=150)
+    assert results[0] == results[1], "ranks disagree on the global loss"
+    for reference_name, pretraining in (("odc lb_mini", False), ("pretrain odc", True)):
+        reference = results[0][reference_name]
+        # A fresh model predicts almost uniformly over the padded byte vocabulary (384).
+        assert abs(reference[1] - math.log(384)) < 0.3, reference
+        assert reference[max(reference)] < reference[1] - 0.5, reference
+        for name, losses in results[0].items():
+            if name.startswith("pretrain ") != pretraining:
+                continue
+            assert sorted(losses) == sorted(reference), name
+            for it, loss in losses.items():
+                # Iteration 1 sees identical weights: only fp32 summation order differs.
+                assert loss == pytest.approx(reference[it], rel=1e-4), (name, it)
+    assert sorted(results[0]["odc lb_mini"]) == list(range(1, 7))
+    assert sorted(results[0]["pretrain odc"]) == list(range(1, 6))
