@@ -42,7 +42,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_odc.transport import CollectiveTransport, ShmTransport
+from megatron_odc.transport.collective import CollectiveTransport
+from megatron_odc.transport.shm import ShmTransport
 
 logger = logging.getLogger(__name__)
 

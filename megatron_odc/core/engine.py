@@ -1,124 +1,51 @@
-"""The ODC bucket runtime: sharded parameters, fetch / release / push, one fence per minibatch.
+"""The ODC bucket runtime of one model over one data-parallel group: orchestration only.
 
-``ODCEngine`` owns, for one data-parallel group, every bucket of a model's parameters (``layout.py``):
+``ODCEngine`` builds the layout (``layout.py``, checked equal on every rank), registers each bucket's
+parameter shard and fp32 gradient accumulator in transport memory, and composes the parts that do the work:
 
-- each rank's *param shard* (compute dtype) and fp32 *grad accumulator* live in transport memory, so peers
-  read and accumulate into them one-sidedly;
-- every parameter's ``.data`` is a view into an unsharded flat buffer per storage group (consecutive buckets
-  of one unit and dtype) whose storage is freed (resized to 0) while the unit is released, and refilled by a
-  fetch (the same trick FSDP2 uses, so tensors autograd saved in forward see the refetched data in backward);
-- ``fetch(unit)`` gathers the unit's buckets from every owner (own shard locally), ``release(unit)`` frees
-  them; ``begin_backward(unit)`` binds ``param.main_grad`` views into an unsharded grad buffer,
-  ``grad_ready(param)`` is called once per parameter per backward and pushes the unit's buckets to the owners
-  once every parameter's gradient is in (parameters used several times, like tied embeddings, are complete
-  when autograd accumulates them, once);
-- ``finish_minibatch()`` (after the last push) and ``end_step()`` (after the optimizer wrote the new
-  shards and zeroed the accumulators) hold the only two DP-wide fences of a minibatch; ``begin_minibatch``
-  fences only when the previous minibatch did not end with ``end_step``.
+- ``storage.UnshardedStorage``: the flat buffers every parameter is a view of, freed while released;
+- ``owned.OwnedShards``: this rank's shards and every write into them (FP8 re-quantised);
+- ``p2p``: the stateless fetch of a unit's buckets and push of its gradients;
+- ``state``: the bucket states and the minibatch phase, each with its guarded transitions;
+- ``streams``: on a GPU, fetches on a fetch stream and pushes on a push stream ([Note: overlap streams]);
+- ``telemetry``: where time and bytes go.
 
-Every buffer lives on the transport's device. On a GPU, fetches run on a fetch stream and pushes on a push
-stream while compute runs on the current stream ([Note: overlap streams] in ``transport/streams.py``):
-``start_fetch(unit)`` only issues the gather (a prefetch), ``finish_fetch(unit)`` makes compute wait for
-it; ``push`` issues the unit's accumulates after the compute that produced its gradients, and keeps at most
-``max_pushes_in_flight`` unsharded gradient buffers alive (compute waits for the oldest push before its
-buffer is dropped). On CPU the streams run everything in order.
+Per unit (the parameters fetched and released together, e.g. one transformer layer): ``start_fetch`` issues
+the gather (a prefetch), ``finish_fetch`` makes compute wait for it, ``release`` frees it;
+``begin_backward`` binds ``param.main_grad`` into a zeroed gradient buffer, ``grad_ready`` takes each
+parameter's gradient once per backward and pushes the unit once all are in (parameters used several
+times, like tied embeddings, are complete when autograd accumulates them, once). At most
+``max_pushes_in_flight`` gradient buffers stay alive while their pushes run.
 
-FP8 parameters (a ``Float8ParamCodec`` recognises them) are stored as raw bytes in uint8 buckets, never
-split over buckets, so each rank owns one contiguous range of each and fetches FP8 bytes.
+Per minibatch ([Note: minibatch protocol] in ``state.py``): ``finish_minibatch`` (after the last push)
+and ``end_step`` (after the optimizer wrote the new shards) hold the only two DP-wide fences;
+``begin_minibatch`` communicates only when the previous minibatch did not end with ``end_step``.
 
-[Note: bucket lifecycle] Per bucket: SHARDED -> FETCHING -> UNSHARDED -> (backward) PUSHING -> UNSHARDED
--> SHARDED. Any other transition raises ``RuntimeError`` naming the rank, bucket and a parameter.
-
-No megatron import: the Megatron-facing wrapper (``data_parallel.py``) and the hooks (``hooks.py``) drive it.
+No megatron import: the Megatron-facing wrapper (``mcore/data_parallel.py``) and the hooks (``hooks.py``)
+drive it.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
-import enum
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from megatron_odc.core import p2p
 from megatron_odc.core.fp8 import Float8ParamCodec
-from megatron_odc.core.layout import (
-    BucketLayout,
-    Layout,
-    ParamSpec,
-    build_layout,
-    check_same_layout,
-)
+from megatron_odc.core.layout import Layout, ParamSpec, build_layout, check_same_layout
+from megatron_odc.core.owned import OwnedShards, OwnedValues
+from megatron_odc.core.state import BucketState, BucketStates, MinibatchPhase, MinibatchTracker
+from megatron_odc.core.storage import BufferNames, OwnedPiece, UnshardedStorage
 from megatron_odc.core.streams import StreamOps, TorchStreams
 from megatron_odc.core.telemetry import Telemetry
 from megatron_odc.transport.base import Transport
 from megatron_odc.transport.devices import collective_device
 
 logger = logging.getLogger(__name__)
-
-
-class BucketState(enum.Enum):
-    """Where a bucket's parameters are."""
-
-    SHARDED = "sharded"
-    """Only the owners' shards exist; the unsharded storage is freed."""
-    FETCHING = "fetching"
-    """A fetch is assembling the unsharded bucket."""
-    UNSHARDED = "unsharded"
-    """The whole bucket is present; forward (and backward) may use it."""
-    PUSHING = "pushing"
-    """Backward is running: gradients accumulate into the unsharded grad buffer, then go to the owners."""
-
-
-_ALLOWED = {
-    (BucketState.SHARDED, BucketState.FETCHING),
-    (BucketState.FETCHING, BucketState.UNSHARDED),
-    (BucketState.UNSHARDED, BucketState.SHARDED),
-    (BucketState.UNSHARDED, BucketState.PUSHING),
-    (BucketState.PUSHING, BucketState.UNSHARDED),
-}
-
-
-@dataclasses.dataclass
-class _StorageGroup:
-    """Consecutive buckets of one unit and dtype that share one unsharded flat buffer."""
-
-    unit: str
-    dtype: torch.dtype
-    bucket_indices: list[int]
-    bucket_starts: list[int]  # element offset of each bucket inside the flat buffer
-    numel: int
-    params_flat: torch.Tensor  # 1D; storage resized to 0 while released
-    grad_flat: torch.Tensor | None = None  # 1D, allocated by begin_backward
-
-
-@dataclasses.dataclass(frozen=True)
-class OwnedPiece:
-    """A run of one parameter that this DP rank owns: ``param[param_start : param_start + numel]`` (flat)
-    lives at ``[shard_lo, shard_hi)`` of bucket ``bucket_index``'s param shard and grad accumulator."""
-
-    name: str
-    bucket_index: int
-    shard_lo: int
-    shard_hi: int
-    param_start: int
-
-    @property
-    def numel(self) -> int:
-        """Elements in the run."""
-        return self.shard_hi - self.shard_lo
-
-
-@dataclasses.dataclass
-class _ParamEntry:
-    name: str
-    param: torch.nn.Parameter
-    unit: str
-    group: _StorageGroup
-    flat_start: int  # element offset of the parameter in the group's flat buffer
-    bucket_indices: tuple[int, ...]
 
 
 class ODCEngine:
@@ -128,7 +55,7 @@ class ODCEngine:
         named_params: ``(name, parameter, unit)`` triples in forward order; every parameter of a unit is
             fetched and released together. Parameters must be identical on every DP rank.
         transport: this rank's transport endpoint over the DP group (its ``world_size`` is the DP size).
-        group: the DP process group (used only at construction and by ``gather_telemetry``).
+        group: the DP process group (layout and weight checks at construction, FP8 amax reductions).
         bucket_numel: bucket size in elements.
         alignment: element alignment of parameter starts and shards.
         grad_dtype: dtype of the unsharded gradient buffer (default float32); pushes add it into the
@@ -166,9 +93,46 @@ class ODCEngine:
         self.telemetry = Telemetry()
         self.fp8_codec = fp8_codec
         self.max_pushes_in_flight = max_pushes_in_flight
-        self._prefix = buffer_prefix
+        self.names = BufferNames(buffer_prefix)
         self._closed = False
+        self.fp8_names: frozenset[str] = frozenset(
+            name for name, p, _ in named_params if fp8_codec is not None and fp8_codec.is_fp8(p)
+        )
+        self._check_params(named_params)
+        self.layout: Layout = build_layout(
+            [
+                ParamSpec(
+                    name,
+                    tuple(p.shape),
+                    torch.uint8 if name in self.fp8_names else p.dtype,
+                    unit,
+                    splittable=name not in self.fp8_names,
+                )
+                for name, p, unit in named_params
+            ],
+            self.dp_size,
+            bucket_numel=bucket_numel,
+            alignment=alignment,
+        )
+        self._check_same_layout()
+        params = {name: p for name, p, _ in named_params}
+        if check_params_equal:
+            self._check_params_equal([(name, p) for name, p, _ in named_params])
+        for bucket in self.layout.buckets:
+            transport.register(
+                self.names.param(bucket.index), bucket.shard_numel, bucket.dtype, accumulate=False
+            )
+            transport.register(self.names.grad(bucket.index), bucket.shard_numel, torch.float32)
+        self.owned = OwnedShards(
+            transport, self.layout, self.names, params, group, fp8_codec, self.fp8_names
+        )
+        self.owned.write_initial()
+        self.storage = UnshardedStorage(self.layout, params, self.device, fp8_codec, self.fp8_names)
+        self.buckets = BucketStates(self.layout, self.dp_rank)
+        self.minibatch = MinibatchTracker(self.dp_rank)
+
         self._ops = streams if streams is not None else TorchStreams(self.device)
+        # Compute runs on the caller's stream; fetches and pushes on their own so that they overlap it.
         self._compute_stream = self._ops.stream("compute")
         self._fetch_stream = self._ops.stream("fetch")
         self._push_stream = self._ops.stream("push")
@@ -177,68 +141,22 @@ class ODCEngine:
         self._pushes_in_flight: collections.deque[tuple[object, list[torch.Tensor]]] = (
             collections.deque()
         )
+        self._pending: dict[str, set[str]] = {unit: set() for unit in self.layout.units}
+        self._ready: dict[str, set[str]] = {unit: set() for unit in self.layout.units}
+        self.transport.fence()  # every shard written and visible: the first minibatch needs no fence
 
-        self.fp8_names: frozenset[str] = frozenset(
-            name for name, p, _ in named_params if fp8_codec is not None and fp8_codec.is_fp8(p)
-        )
+    # ------------------------------------------------------------------ construction checks
+
+    def _check_params(self, named_params: Sequence[tuple[str, torch.nn.Parameter, str]]) -> None:
         for name, p, _ in named_params:
             if name in self.fp8_names:
-                fp8_codec.check(p, name)
+                self.fp8_codec.check(p, name)
             if p.device != self.device:
                 raise ValueError(
                     f"DP rank {self.dp_rank}: parameter {name!r} is on {p.device} but the "
-                    f"{type(transport).__name__}'s memory is on {self.device}; move the model to "
-                    f"{self.device} before wrapping it"
+                    f"{type(self.transport).__name__}'s memory is on {self.device}; move the model "
+                    f"to {self.device} before wrapping it"
                 )
-        specs = [
-            ParamSpec(
-                name,
-                tuple(p.shape),
-                torch.uint8 if name in self.fp8_names else p.dtype,
-                unit,
-                splittable=name not in self.fp8_names,
-            )
-            for name, p, unit in named_params
-        ]
-        self.layout: Layout = build_layout(
-            specs, self.dp_size, bucket_numel=bucket_numel, alignment=alignment
-        )
-        self._check_same_layout()
-        params = {name: p for name, p, _ in named_params}
-        if check_params_equal:
-            self._check_params_equal([(name, p) for name, p, _ in named_params])
-
-        self.states: list[BucketState] = [BucketState.SHARDED] * len(self.layout.buckets)
-        for bucket in self.layout.buckets:
-            transport.register(
-                self._param_buffer(bucket.index), bucket.shard_numel, bucket.dtype, accumulate=False
-            )
-            transport.register(self._grad_buffer(bucket.index), bucket.shard_numel, torch.float32)
-
-        self._groups: dict[str, list[_StorageGroup]] = {}
-        self._entries: dict[str, _ParamEntry] = {}
-        self._build_storage(params)
-        self._unit_names: dict[str, list[str]] = {unit: [] for unit in self.layout.units}
-        for name, entry in self._entries.items():
-            self._unit_names[entry.unit].append(name)
-        # Per unit, its FP8 parameters (what the codec processes after a fetch and before a release).
-        self._unit_fp8: dict[str, list[torch.Tensor]] = {
-            unit: [self._entries[n].param for n in names if n in self.fp8_names]
-            for unit, names in self._unit_names.items()
-        }
-        self._pending: dict[str, set[str]] = {unit: set() for unit in self.layout.units}
-        self._ready: dict[str, set[str]] = {unit: set() for unit in self.layout.units}
-        self.transport.fence()
-        # Accumulators are zero and every shard is visible: the next minibatch may start without a fence.
-        self._clean = True
-
-    # ------------------------------------------------------------------ construction
-
-    def _param_buffer(self, bucket_index: int) -> str:
-        return f"{self._prefix}.param.{bucket_index}"
-
-    def _grad_buffer(self, bucket_index: int) -> str:
-        return f"{self._prefix}.grad.{bucket_index}"
 
     def _check_same_layout(self) -> None:
         if self.dp_size == 1 or not dist.is_initialized():
@@ -277,89 +195,21 @@ class ODCEngine:
                     "weights (same seed, or call broadcast_params on the plain model first)"
                 )
 
-    def _build_storage(self, params: dict[str, torch.nn.Parameter]) -> None:
-        """Write the owned shards, then rebind every parameter to a released unsharded view."""
-        buckets = self.layout.buckets
-        for piece in self.owned_pieces():
-            src = self._values(piece.name, params[piece.name]).reshape(-1)
-            self.param_shard(piece.bucket_index)[piece.shard_lo : piece.shard_hi].copy_(
-                src[piece.param_start : piece.param_start + piece.numel]
-            )
-        # Storage groups: maximal runs of consecutive buckets with the same unit and dtype.
-        runs: list[list[BucketLayout]] = []
-        for bucket in buckets:
-            if runs and runs[-1][-1].unit == bucket.unit and runs[-1][-1].dtype == bucket.dtype:
-                runs[-1].append(bucket)
-            else:
-                runs.append([bucket])
-        for run in runs:
-            starts, total = [], 0
-            for bucket in run:
-                starts.append(total)
-                total += bucket.padded_numel
-            flat = torch.zeros(total, dtype=run[0].dtype, device=self.device)
-            group = _StorageGroup(
-                unit=run[0].unit,
-                dtype=run[0].dtype,
-                bucket_indices=[b.index for b in run],
-                bucket_starts=starts,
-                numel=total,
-                params_flat=flat,
-            )
-            self._groups.setdefault(group.unit, []).append(group)
-            first_slot_seen: set[str] = set()
-            for bucket, bucket_start in zip(run, starts):
-                for slot in bucket.slots:
-                    if slot.name in first_slot_seen:
-                        continue
-                    first_slot_seen.add(slot.name)
-                    assert slot.param_offset == 0, slot
-                    p = params[slot.name]
-                    flat_start = bucket_start + slot.bucket_offset
-                    slots = self.layout.slots_of(slot.name)
-                    self._entries[slot.name] = _ParamEntry(
-                        name=slot.name,
-                        param=p,
-                        unit=group.unit,
-                        group=group,
-                        flat_start=flat_start,
-                        bucket_indices=tuple(s.bucket_index for s in slots),
-                    )
-                    view = flat[flat_start : flat_start + p.numel()]
-                    if slot.name in self.fp8_names:
-                        self.fp8_codec.bind(p, view)
-                    else:
-                        p.data = view.view(p.shape)
-            flat.untyped_storage().resize_(0)
+    # ------------------------------------------------------------------ state
 
-    def _values(self, name: str, param: torch.Tensor) -> torch.Tensor:
-        """What the buckets store of a parameter: its values, or its FP8 bytes."""
-        if name in self.fp8_names:
-            return self.fp8_codec.raw_data(param)
-        return param.detach()
+    @property
+    def states(self) -> list[BucketState]:
+        """The state of every bucket, in layout order."""
+        return self.buckets.states
 
-    # ------------------------------------------------------------------ state machine
-
-    def _transition(self, bucket_index: int, new: BucketState, action: str) -> None:
-        old = self.states[bucket_index]
-        if (old, new) not in _ALLOWED:
-            bucket = self.layout.buckets[bucket_index]
-            param = bucket.slots[0].name if bucket.slots else "<none>"
-            raise RuntimeError(
-                f"DP rank {self.dp_rank}: illegal {action} of bucket {bucket_index} (unit "
-                f"{bucket.unit!r}, first parameter {param!r}): {old.value} -> {new.value}"
-            )
-        self.states[bucket_index] = new
+    @property
+    def phase(self) -> MinibatchPhase:
+        """Where the minibatch protocol is."""
+        return self.minibatch.phase
 
     def unit_state(self, unit: str) -> BucketState:
         """The state of a unit's buckets (they move together)."""
-        return self.states[self._unit_buckets(unit)[0]]
-
-    def _unit_buckets(self, unit: str) -> tuple[int, ...]:
-        buckets = self.layout.buckets_of_unit(unit)
-        if not buckets:
-            raise ValueError(f"DP rank {self.dp_rank}: unknown unit {unit!r}")
-        return buckets
+        return self.buckets.of_unit(unit)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -379,27 +229,18 @@ class ODCEngine:
             # The freed storage may be reused by the allocator for this fetch: compute's earlier reads of
             # whatever lived there must be done before the fetch stream overwrites it.
             self._ops.wait(self._fetch_stream, self._ops.record(self._compute_stream))
-            for group in self._groups[unit]:
-                group.params_flat.untyped_storage().resize_(
-                    group.numel * group.params_flat.element_size()
-                )
-                for bucket_index in group.bucket_indices:
-                    self._transition(bucket_index, BucketState.FETCHING, "fetch")
+            self.storage.allocate_params(unit)
+            self.buckets.move_unit(unit, BucketState.FETCHING, "fetch")
+            groups = self.storage.groups(unit)
             self._ops.launch(
-                self._fetch_stream, f"fetch:{unit}", lambda: self._gather_unit(unit), 0.0
+                self._fetch_stream,
+                f"fetch:{unit}",
+                lambda: self.telemetry.add_fetch(
+                    p2p.fetch_groups(self.transport, self.layout, groups, self.names)
+                ),
+                0.0,
             )
             self._fetch_events[unit] = self._ops.record(self._fetch_stream)
-
-    def _gather_unit(self, unit: str) -> None:
-        for group in self._groups[unit]:
-            for bucket_index, start in zip(group.bucket_indices, group.bucket_starts):
-                bucket = self.layout.buckets[bucket_index]
-                self.transport.gather_shards(
-                    self._param_buffer(bucket_index),
-                    group.params_flat[start : start + bucket.padded_numel],
-                )
-                self.telemetry.fetch_bytes += bucket.shard_nbytes * (self.dp_size - 1)
-                self.telemetry.num_fetches += 1
 
     def finish_fetch(self, unit: str) -> None:
         """Make compute wait for the unit's fetch; afterwards its parameters may be used."""
@@ -408,9 +249,8 @@ class ODCEngine:
             return
         with self.telemetry.timed("fetch_wait_s"):
             self._ops.wait(self._compute_stream, self._fetch_events.pop(unit))
-            for bucket_index in self._unit_buckets(unit):
-                self._transition(bucket_index, BucketState.UNSHARDED, "fetch")
-            fp8 = self._unit_fp8[unit]
+            self.buckets.move_unit(unit, BucketState.UNSHARDED, "fetch")
+            fp8 = self.storage.fp8_params(unit)
             if fp8:
                 self.fp8_codec.after_fetch(fp8)
 
@@ -421,18 +261,15 @@ class ODCEngine:
 
     def release(self, unit: str) -> None:
         """Free the unit's unsharded parameters; a no-op if already released."""
-        state = self.unit_state(unit)
-        if state is BucketState.SHARDED:
+        if self.unit_state(unit) is BucketState.SHARDED:
             return
         # A prefetch nobody used: its writes must end before the memory is reused.
         self.finish_fetch(unit)
-        fp8 = self._unit_fp8[unit]
+        fp8 = self.storage.fp8_params(unit)
         if fp8:
             self.fp8_codec.before_release(fp8)
-        for bucket_index in self._unit_buckets(unit):
-            self._transition(bucket_index, BucketState.SHARDED, "release")
-        for group in self._groups[unit]:
-            group.params_flat.untyped_storage().resize_(0)
+        self.buckets.move_unit(unit, BucketState.SHARDED, "release")
+        self.storage.free_params(unit)
 
     def release_all(self) -> None:
         """Release every unit (after pushing any partial gradients)."""
@@ -448,24 +285,9 @@ class ODCEngine:
         self._check_open()
         if self.unit_state(unit) is BucketState.PUSHING:
             return
-        for bucket_index in self._unit_buckets(unit):
-            self._transition(bucket_index, BucketState.PUSHING, "begin_backward")
-        for group in self._groups[unit]:
-            group.grad_flat = torch.zeros(group.numel, dtype=self.grad_dtype, device=self.device)
-        for name in self._unit_param_names(unit):
-            entry = self._entries[name]
-            p = entry.param
-            p.main_grad = entry.group.grad_flat[
-                entry.flat_start : entry.flat_start + p.numel()
-            ].view(p.shape)
-            p.grad_added_to_main_grad = False
-        self._pending[unit] = {
-            name for name in self._unit_param_names(unit) if self._entries[name].param.requires_grad
-        }
+        self.buckets.move_unit(unit, BucketState.PUSHING, "begin_backward")
+        self._pending[unit] = self.storage.bind_grads(unit, self.grad_dtype)
         self._ready[unit] = set()
-
-    def _unit_param_names(self, unit: str) -> list[str]:
-        return self._unit_names[unit]
 
     def grad_ready(self, param: torch.nn.Parameter, name: str) -> str | None:
         """Take ``param``'s gradient for this backward; push the unit once all of its gradients are in.
@@ -473,7 +295,7 @@ class ODCEngine:
         Returns:
             The unit's name if this gradient completed it and it was pushed, else ``None``.
         """
-        entry = self._entries[name]
+        entry = self.storage.entry(name)
         unit = entry.unit
         state = self.unit_state(unit)
         if state is BucketState.UNSHARDED:
@@ -508,49 +330,37 @@ class ODCEngine:
         """
         self._check_open()
         if self.unit_state(unit) is not BucketState.PUSHING:
-            for bucket_index in self._unit_buckets(unit):
-                self._transition(bucket_index, BucketState.UNSHARDED, "push")
-        groups = self._groups[unit]
+            self.buckets.move_unit(unit, BucketState.UNSHARDED, "push")  # raises: nothing to push
+        self.minibatch.move("push")
+        groups = self.storage.groups(unit)
         with self.telemetry.timed("push_s"):
             self._ops.wait(self._push_stream, self._ops.record(self._compute_stream))
             self._ops.launch(
-                self._push_stream, f"push:{unit}", lambda: self._scatter_unit(groups), 0.0
+                self._push_stream,
+                f"push:{unit}",
+                lambda: self.telemetry.add_push(
+                    p2p.push_groups(self.transport, self.layout, groups, self.names)
+                ),
+                0.0,
             )
-            grads = [g.grad_flat for g in groups if g.grad_flat is not None]
+            self.buckets.move_unit(unit, BucketState.UNSHARDED, "push")
+            grads = self.storage.unbind_grads(unit)
             self._pushes_in_flight.append((self._ops.record(self._push_stream), grads))
-            for group in groups:
-                for bucket_index in group.bucket_indices:
-                    self._transition(bucket_index, BucketState.UNSHARDED, "push")
-                group.grad_flat = None
             while len(self._pushes_in_flight) > self.max_pushes_in_flight:
                 self._retire_oldest_push()
-        for name in self._unit_param_names(unit):
-            self._entries[name].param.main_grad = None
         self._pending[unit] = set()
         self._ready[unit] = set()
-
-    def _scatter_unit(self, groups: list[_StorageGroup]) -> None:
-        for group in groups:
-            assert group.grad_flat is not None
-            for bucket_index, start in zip(group.bucket_indices, group.bucket_starts):
-                bucket = self.layout.buckets[bucket_index]
-                self.transport.scatter_accumulate(
-                    self._grad_buffer(bucket_index),
-                    group.grad_flat[start : start + bucket.padded_numel],
-                )
-                self.telemetry.push_bytes += (
-                    bucket.shard_numel * group.grad_flat.element_size() * (self.dp_size - 1)
-                )
-                self.telemetry.num_pushes += 1
 
     def _retire_oldest_push(self) -> None:
         """Compute waits for the oldest push; then its gradient buffers may be freed and reused."""
         event, _ = self._pushes_in_flight.popleft()
         self._ops.wait(self._compute_stream, event)
 
-    def _retire_all_pushes(self) -> None:
+    def _complete_own_operations(self) -> None:
+        """Every fetch and push this rank issued is done at its target (not yet a fence)."""
         while self._pushes_in_flight:
             self._retire_oldest_push()
+        self.transport.flush()
 
     def finish_backward(self) -> None:
         """End of one backward pass: push partial units (unused parameters) and release everything."""
@@ -572,34 +382,28 @@ class ODCEngine:
         self._check_open()
         for unit in self.layout.units:
             if self.unit_state(unit) is BucketState.PUSHING:
-                bucket = self._unit_buckets(unit)[0]
+                bucket = self.buckets.unit_buckets(unit)[0]
                 raise RuntimeError(
                     f"DP rank {self.dp_rank}: a minibatch began while bucket {bucket} (unit {unit!r}) "
                     "still holds unpushed gradients; a backward pass did not finish"
                 )
             self.release(unit)
         self.telemetry.begin_minibatch()
-        if not self._clean:
+        if self.minibatch.move("begin_minibatch") is not MinibatchPhase.READY:
             with self.telemetry.timed("fence_s"):
-                self._retire_all_pushes()
-                self.transport.flush()
+                self._complete_own_operations()
                 self.transport.fence()
-                self._zero_accumulators()
+                self.owned.zero_grads()
                 self.transport.fence()
-        self._clean = False
-
-    def _zero_accumulators(self) -> None:
-        for bucket in self.layout.buckets:
-            self.transport.local(self._grad_buffer(bucket.index)).zero_()
 
     def finish_minibatch(self) -> None:
         """Push what is left, flush, and fence: every owner now holds the full gradient sums."""
         self._check_open()
         self.finish_backward()
         with self.telemetry.timed("fence_s"):
-            self._retire_all_pushes()
-            self.transport.flush()
+            self._complete_own_operations()
             self.transport.fence()
+        self.minibatch.move("finish_minibatch")
         self.telemetry.end_minibatch()
 
     def end_step(self) -> None:
@@ -608,30 +412,23 @@ class ODCEngine:
         Every rank calls it once per minibatch. Afterwards the new parameter shards are visible to every
         rank (``full_parameters`` and state dicts read current values) and the next minibatch begins
         without communicating.
+
+        Raises:
+            RuntimeError: the minibatch's pushes were not fenced yet (``finish_minibatch``).
         """
         self._check_open()
-        self._zero_accumulators()
+        self.minibatch.move("end_step")
+        self.owned.zero_grads()
         with self.telemetry.timed("fence_s"):
             self.transport.flush()
             self.transport.fence()
         self.telemetry.end_minibatch()
-        self._clean = True
 
     # ------------------------------------------------------------------ owned shards
 
     def owned_pieces(self) -> list[OwnedPiece]:
         """Every run of a parameter this rank owns, in layout order (an unsplittable one: at most one)."""
-        pieces = []
-        for bucket in self.layout.buckets:
-            shard_start, _ = bucket.shard_range(self.dp_rank)
-            for slot, start, end in bucket.owned_pieces(self.dp_rank):
-                lo = slot.bucket_offset + start - shard_start
-                pieces.append(
-                    OwnedPiece(
-                        slot.name, bucket.index, lo, lo + end - start, slot.param_offset + start
-                    )
-                )
-        return pieces
+        return self.owned.pieces
 
     def begin_shard_writes(self) -> None:
         """Collective: before writing owned parameter shards outside the optimizer step (a load).
@@ -641,65 +438,32 @@ class ODCEngine:
         completes waits for them, so the write cannot land under a peer's read.
         """
         self._check_open()
-        self._retire_all_pushes()
-        self.transport.flush()
+        self._complete_own_operations()
         self.transport.fence()
 
-    def write_owned(self, values: Callable[[OwnedPiece], torch.Tensor | None]) -> None:
-        """Write new values into this rank's owned parameter slices (they become visible at the next fence).
+    def write_owned(self, values: OwnedValues) -> None:
+        """Write new values into this rank's owned parameter slices (visible at the next fence).
 
-        Outside the optimizer step, call ``begin_shard_writes`` first.
-
-        ``values(piece)`` returns the ``piece.numel`` new values of an owned piece (any float dtype), or
-        ``None`` to keep it. FP8 parameters are re-quantised through the codec with the amax reduced over
-        the DP group, so this is collective when the model has FP8 parameters: every DP rank calls it.
+        Outside the optimizer step, call ``begin_shard_writes`` first. Collective when the model has
+        FP8 parameters (see :meth:`OwnedShards.write`).
         """
-        fp8_values: dict[str, tuple[OwnedPiece, torch.Tensor]] = {}
-        params = dict(self.parameters())
-        for piece in self.owned_pieces():
-            value = values(piece)
-            shard = self.param_shard(piece.bucket_index)[piece.shard_lo : piece.shard_hi]
-            if piece.name in self.fp8_names:
-                if value is None:  # keep: re-quantise the current values with the new shared scale
-                    value = self.fp8_codec.dequantize_bytes(params[piece.name], shard)
-                fp8_values[piece.name] = (piece, value)
-            elif value is not None:
-                shard.copy_(value.reshape(-1))
-        if not self.fp8_names:
-            return
-        fp8_params, mains, offsets, shards = [], [], [], []
-        for name, param in params.items():  # layout order: the same on every DP rank
-            if name not in self.fp8_names:
-                continue
-            fp8_params.append(param)
-            piece, value = fp8_values.get(name, (None, None))
-            mains.append(
-                None if value is None else value.reshape(-1).to(self.device, torch.float32)
-            )
-            offsets.append(None if piece is None else piece.param_start)
-            shards.append(
-                None
-                if piece is None
-                else self.param_shard(piece.bucket_index)[piece.shard_lo : piece.shard_hi]
-            )
-        self.fp8_codec.quantize_shards(fp8_params, mains, offsets, shards, self.group)
+        self.owned.write(values)
 
     def param_shard(self, bucket_index: int) -> torch.Tensor:
         """This rank's compute-dtype parameter shard of a bucket (what peers fetch)."""
-        return self.transport.local(self._param_buffer(bucket_index))
+        return self.owned.param_shard(bucket_index)
 
     def grad_shard(self, bucket_index: int) -> torch.Tensor:
         """This rank's fp32 gradient accumulator of a bucket (what peers push into)."""
-        return self.transport.local(self._grad_buffer(bucket_index))
+        return self.owned.grad_shard(bucket_index)
 
     def scale_gradients(self, factor: float) -> None:
         """Multiply every owned accumulator by ``factor``."""
-        for bucket in self.layout.buckets:
-            self.grad_shard(bucket.index).mul_(factor)
+        self.owned.scale_grads(factor)
 
     def parameters(self) -> Iterable[tuple[str, torch.nn.Parameter]]:
         """``(name, parameter)`` in layout order."""
-        return ((name, e.param) for name, e in self._entries.items())
+        return self.storage.parameters()
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter's current value, gathered one-sidedly from the owners (copies)."""
@@ -707,8 +471,8 @@ class ODCEngine:
         for unit in self.layout.units:
             was_sharded = self.unit_state(unit) is BucketState.SHARDED
             self.fetch(unit)
-            for name in self._unit_param_names(unit):
-                param = self._entries[name].param
+            for name in self.storage.names(unit):
+                param = self.storage.entry(name).param
                 if name in self.fp8_names:  # the values the FP8 bytes stand for
                     data = self.fp8_codec.raw_data(param).reshape(-1)
                     out[name] = self.fp8_codec.dequantize_bytes(param, data).view(param.shape)
@@ -720,20 +484,11 @@ class ODCEngine:
 
     def persistent_nbytes(self) -> int:
         """Bytes of the owned parameter shards and gradient accumulators."""
-        total = 0
-        for bucket in self.layout.buckets:
-            total += self.param_shard(bucket.index).nbytes + self.grad_shard(bucket.index).nbytes
-        return total
+        return self.owned.persistent_nbytes()
 
     def unsharded_nbytes(self) -> int:
         """Bytes of unsharded parameter and gradient buffers currently allocated."""
-        total = 0
-        for groups in self._groups.values():
-            for g in groups:
-                total += g.params_flat.untyped_storage().nbytes()
-                if g.grad_flat is not None:
-                    total += g.grad_flat.nbytes
-        return total
+        return self.storage.unsharded_nbytes()
 
     def close(self) -> None:
         """Release the transport; the parameters become unusable."""

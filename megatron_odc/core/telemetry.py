@@ -15,11 +15,15 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from megatron_odc.transport.devices import collective_device
+
+if TYPE_CHECKING:
+    from megatron_odc.core.p2p import TransferResult
 
 #: Counters summed within a minibatch, in the order they are reduced across ranks.
 COUNTER_KEYS = (
@@ -65,6 +69,16 @@ class Telemetry:
     def end_minibatch(self) -> None:
         """Stop the minibatch clock (the wall time then covers fetch, compute, push and fence)."""
         self._end = time.perf_counter()
+
+    def add_fetch(self, result: TransferResult) -> None:
+        """Count one fetch of a unit."""
+        self.fetch_bytes += result.peer_nbytes
+        self.num_fetches += result.num_buckets
+
+    def add_push(self, result: TransferResult) -> None:
+        """Count one push of a unit."""
+        self.push_bytes += result.peer_nbytes
+        self.num_pushes += result.num_buckets
 
     @contextlib.contextmanager
     def timed(self, counter: str) -> Iterator[None]:

@@ -12,13 +12,14 @@ import pytest
 import torch
 from torch.nn import functional
 
-from megatron_odc.core.engine import BucketState, ODCEngine
+from megatron_odc.core.engine import ODCEngine
 from megatron_odc.core.fp8 import (
     EmulatedFloat8Codec,
     EmulatedFloat8Tensor,
     quantization_error_bound,
 )
 from megatron_odc.core.hooks import ODCHooks
+from megatron_odc.core.state import BucketState
 from megatron_odc.transport.shm import ShmTransport
 from tests._dist import run_ranks
 from tests._recording import RecordingStreams, RecordingTransport

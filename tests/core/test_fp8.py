@@ -17,6 +17,7 @@ from megatron_odc.core import fp8
 from megatron_odc.core.fp8 import (
     EmulatedFloat8Codec,
     EmulatedFloat8Tensor,
+    FP8ShardSlices,
     check_fp8_recipe,
     check_te_request,
     compute_scale,
@@ -89,9 +90,11 @@ def test_format_and_dtype_errors() -> None:
     codec = EmulatedFloat8Codec()
     w = EmulatedFloat8Tensor.from_float(torch.ones(4))
     with pytest.raises(ValueError, match="1 params, 2 main slices"):
-        codec.quantize_shards([w], [None, None], [None], [None], None)
+        codec.quantize_shards(FP8ShardSlices([w], [None, None], [None], [None]), None)
     with pytest.raises(ValueError, match="4 owned master elements but 3 shard bytes"):
-        codec.quantize_shards([w], [torch.ones(4)], [0], [torch.zeros(3, dtype=torch.uint8)], None)
+        codec.quantize_shards(
+            FP8ShardSlices([w], [torch.ones(4)], [0], [torch.zeros(3, dtype=torch.uint8)]), None
+        )
 
 
 # ---------------------------------------------------------------------- the emulated FP8 weight
@@ -179,7 +182,7 @@ def _run_requantize(rank: int, world_size: int) -> dict:
                 offsets.append(lo)
                 shards.append(None if lo is None else torch.zeros(hi - lo, dtype=torch.uint8))
             calls.clear()
-            codec.quantize_shards(params, mains, offsets, shards, None)
+            codec.quantize_shards(FP8ShardSlices(params, mains, offsets, shards), None)
             out["calls"].append(list(calls))
             out["scale_inv"].append(torch.cat([p._scale_inv for p in params]).clone())
             out["bytes"].append({n: s for n, s in zip(PARAM_NUMELS, shards) if s is not None})
@@ -267,14 +270,17 @@ def test_te_missing_errors_are_clear() -> None:
 def test_odc_wrapper_refuses_fp8_settings_that_would_deadlock() -> None:
     from types import SimpleNamespace
 
-    from megatron_odc.mcore.data_parallel import OdcConfig, _validate
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from megatron_odc.mcore.config import ODCConfig
+    from megatron_odc.mcore.data_parallel import check_supported
 
     delayed = SimpleNamespace(fp8="hybrid", fp8_recipe="delayed", tp_only_amax_red=False)
     with pytest.raises(ValueError, match="tp-only-amax-red"):
-        _validate(delayed, OdcConfig())
+        check_supported(delayed, DistributedDataParallelConfig(), ODCConfig())
     blockwise_params = SimpleNamespace(fp8="hybrid", fp8_recipe="blockwise", fp8_param=True)
     with pytest.raises(ValueError, match="per-tensor recipe"):
-        _validate(blockwise_params, OdcConfig())
+        check_supported(blockwise_params, DistributedDataParallelConfig(), ODCConfig())
 
 
 def test_emulated_float8_weight_moves_devices_as_fp8() -> None:

@@ -1,4 +1,4 @@
-"""Tests of ``megatron_odc.layout``: property checks over seeded random parameter sets, a hand-worked
+"""Tests of ``megatron_odc.core.layout``: property checks over seeded random parameter sets, a hand-worked
 example, validation errors, fingerprint stability and mismatch messages, and import isolation.
 
 Everything here is pure CPU arithmetic (no process group). The random cases are checked against

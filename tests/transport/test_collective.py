@@ -9,8 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_odc.transport import CollectiveTransport, ShmTransport, build_transport
+from megatron_odc.transport import build_transport
 from megatron_odc.transport.base import TransportError
+from megatron_odc.transport.collective import CollectiveTransport
+from megatron_odc.transport.shm import ShmTransport
 from tests._dist import run_ranks
 
 PARAM_NUMEL = 1237

@@ -19,7 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_odc.transport import ShmTransport, TransportError, build_transport
+from megatron_odc.transport import TransportError, build_transport
+from megatron_odc.transport.shm import ShmTransport
 from tests._dist import SHM_ROOT, RankFailureError, run_ranks
 
 STRIPE_SMALL_NBYTES = 4096
