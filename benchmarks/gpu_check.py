@@ -412,7 +412,7 @@ def _train(
     if cfg.bf16:
         model = Float16Module(model.config, model)
     wrapped, optimizer = build_backend(
-        backend, model, opt_config, odc_options=options if backend == "odc" else None
+        backend, model, opt_config, odc_config=options if backend == "odc" else None
     )
     dp_rank = dist.get_rank()
     losses = []
@@ -479,17 +479,19 @@ def _local_gpt(cfg, seed: int) -> Callable:
     return lambda: build_gpt_model(cfg, seed).to(_device())
 
 
-def _odc_options(bucket_size: int, mode: str | None = None) -> dict:
+def _odc_options(bucket_size: int, mode: str | None = None):
     """ODC over the CUDA transport; ``mode`` None: the first accumulate mode that runs here."""
-    return {
-        "odc_transport": "cuda",
-        "odc_cuda_accumulate": mode or _accumulate_modes()[0],
-        "odc_bucket_size": bucket_size,
-    }
+    from megatron_odc.mcore.config import ODCConfig
+
+    return ODCConfig(
+        transport="cuda", cuda_accumulate=mode or _accumulate_modes()[0], bucket_size=bucket_size
+    )
 
 
-def _shm_options(bucket_size: int) -> dict:
-    return {"odc_transport": "shm", "odc_bucket_size": bucket_size}
+def _shm_options(bucket_size: int):
+    from megatron_odc.mcore.config import ODCConfig
+
+    return ODCConfig(transport="shm", bucket_size=bucket_size)
 
 
 def _max_param_rel_err(got: dict, ref: dict) -> float:
@@ -807,8 +809,8 @@ def _dry_run(args: argparse.Namespace) -> int:
         from megatron_odc.mcore.backends import build_backend  # noqa: F401
         from megatron_odc.mcore.model import GPTConfig, build_gpt_model, transformer_config  # noqa: F401
         from megatron_odc.mcore.step import train_step  # noqa: F401
-        from tests.mcore import test_fp8_params  # noqa: F401
         from tests._megatron import _forward_step, make_batch  # noqa: F401
+        from tests.mcore import test_fp8_params  # noqa: F401
 
         megatron_state = "importable"
     except ImportError as exc:

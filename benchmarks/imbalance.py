@@ -99,7 +99,7 @@ PAPER_CAP_TOKENS = 65536
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_LENGTH_SCALE = 16
 
-#: The GPT trained (megatron_odc.model.GPTConfig fields).
+#: The GPT trained (megatron_odc.mcore.model.GPTConfig fields).
 MODEL = {
     "num_layers": 8,
     "hidden_size": 128,

@@ -35,10 +35,10 @@ from megatron_odc.integration.cpu import (
     CpuPatches,
     active_cpu_patches,
     apply_cpu_patches,
-    cuda_type_names,
 )
+from megatron_odc.mcore.cpu_optimizers import cuda_type_names
 from megatron_odc.mcore.model import GPTConfig
-from megatron_odc.runner.trainer import per_token_loss
+from megatron_odc.mcore.step import per_token_loss
 
 SMALL_GPT = {
     "num_layers": 2,

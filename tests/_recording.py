@@ -14,7 +14,7 @@ class RecordingTransport(Transport):
     accumulates; a collective transport's overrides are therefore not what this checks.
 
     ``inner`` may already hold registered buffers (e.g. the transport of a constructed
-    ``OdcDataParallel``, swapped for a wrapper before training): their specs and local shards are
+    ``ODCDataParallel``, swapped for a wrapper before training): their specs and local shards are
     mirrored, so ``local()``, ``get`` and ``accumulate`` work on them; their registration is not recorded.
     """
 

@@ -50,9 +50,14 @@ from megatron_odc.balance.partition import (
     repair_cap,
 )
 
-__all__ = ["PLAN_KINDS", "TOO_LONG_POLICIES", "Plan", "make_plan"]
+__all__ = ["EQUAL_COUNT_PLAN_KINDS", "PLAN_KINDS", "TOO_LONG_POLICIES", "Plan", "make_plan"]
 
 PLAN_KINDS = ("lb_mini", "lb_micro", "local_sort", "round_robin")
+"""Every plan kind; see [Note: plan kinds]."""
+
+EQUAL_COUNT_PLAN_KINDS = ("lb_micro",)
+"""Plan kinds that give every DP rank the same number of microbatches (what lockstep backends need)."""
+
 TOO_LONG_POLICIES = ("error", "truncate", "alone")
 
 

@@ -1,17 +1,15 @@
-"""One switch for the data-parallel backend: ``odc``, ``fsdp``, ``ddp`` or ``distopt``.
+"""One switch for the data-parallel backend: ``build_backend(name, model, optimizer_config)``.
 
-``build_backend(name, model, optimizer_config, ...)`` wraps a megatron-core model and builds its optimizer:
+In a fixed order, as megatron-core's training loop does it:
 
-- ``odc``: ``OdcDataParallel`` over the shared-memory (or another one-sided) transport + ``OdcOptimizer``:
-  sharded params, grads and optimizer state; ranks may run different numbers of microbatches;
-- ``fsdp``: the same engine over the collective transport (per-bucket all-gather / reduce-scatter, in
-  lockstep): the ZeRO-3 baseline, which needs equal microbatch counts on every rank;
-- ``ddp`` / ``distopt``: megatron-core's own ``DistributedDataParallel`` + ``get_megatron_optimizer``,
-  without / with its distributed optimizer (replicated params: the memory-hungry upper bound).
+1. wrap the model: ``odc`` / ``fsdp`` in ``ODCDataParallel`` (``fsdp``: the same engine over the lockstep
+   collective transport), ``ddp`` / ``distopt`` in megatron-core's ``DistributedDataParallel``;
+2. build the optimizer: ``ODCOptimizer`` over the owned shards, or megatron-core's
+   ``get_megatron_optimizer`` (without / with its distributed optimizer; on CPU parameters inside
+   ``cpu_optimizers.cuda_type_names``);
+3. wire ``config.finalize_model_grads_func`` and ``config.grad_scale_func`` as Megatron-LM does.
 
-It also wires ``config.finalize_model_grads_func`` and ``config.grad_scale_func`` the way Megatron-LM's
-training loop does. On CPU (the patches of ``megatron_odc.patches.cpu`` active), megatron-core's own
-optimizers are wrapped so that their CUDA tensor-type checks see CUDA names during construction and steps.
+The backends and what each refuses are listed once in ``config.py``.
 """
 
 from __future__ import annotations
@@ -27,27 +25,16 @@ from megatron.core.distributed import (
 )
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-from megatron_odc.integration.cpu import active_cpu_patches, cuda_type_names
-from megatron_odc.mcore.data_parallel import OdcConfig, OdcDataParallel
-from megatron_odc.mcore.optimizer import OdcOptimizer
-
-BACKENDS = ("odc", "fsdp", "ddp", "distopt")
-LOCKSTEP_BACKENDS = ("fsdp",)
-"""Backends whose ranks must run the same number of microbatches (every bucket op is a collective)."""
-
-
-class _CudaTypeNamesOptimizer:
-    """Runs a megatron-core optimizer's ``step`` with CUDA tensor-type names (CPU runs only)."""
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-
-    def step(self, *args: Any, **kwargs: Any) -> Any:
-        with cuda_type_names():
-            return self._inner.step(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
+from megatron_odc.mcore.config import (
+    BACKENDS,
+    LOCKSTEP_BACKENDS,
+    LOCKSTEP_TRANSPORT,
+    ODC_ENGINE_BACKENDS,
+    ODCConfig,
+)
+from megatron_odc.mcore.cpu_optimizers import CudaTypeNamesOptimizer, cuda_type_names, on_cpu
+from megatron_odc.mcore.data_parallel import ODCDataParallel
+from megatron_odc.mcore.optimizer import ODCOptimizer
 
 
 def build_backend(
@@ -55,7 +42,7 @@ def build_backend(
     model: torch.nn.Module,
     optimizer_config: OptimizerConfig,
     *,
-    odc_options: dict[str, Any] | None = None,
+    odc_config: ODCConfig | None = None,
     grad_reduce_in_fp32: bool = True,
 ) -> tuple[torch.nn.Module, Any]:
     """Wrap ``model`` for data parallelism with backend ``name`` and build its optimizer.
@@ -64,36 +51,38 @@ def build_backend(
         name: one of ``BACKENDS``.
         model: a megatron-core model (``GPTModel`` or ``Float16Module``) with ``.config``.
         optimizer_config: megatron-core ``OptimizerConfig``.
-        odc_options: ``OdcConfig`` fields for ``odc`` / ``fsdp`` (e.g. ``odc_bucket_size``).
+        odc_config: ODC's options for ``odc`` / ``fsdp`` (``fsdp`` always uses the collective transport).
         grad_reduce_in_fp32: accumulate and reduce gradients in fp32.
 
     Returns:
         ``(wrapped_model, optimizer)``.
+
+    Raises:
+        ValueError: an unknown backend, ``odc_config`` with ``ddp`` / ``distopt``, or a combination the
+            backend refuses.
     """
     if name not in BACKENDS:
         raise ValueError(f"--dp-backend {name!r} is not one of {', '.join(BACKENDS)}")
     config = model.config
-    if name in ("odc", "fsdp"):
-        options = dict(odc_options or {})
-        if name == "fsdp":
-            options["odc_transport"] = "collective"
-        known = {f.name for f in dataclasses.fields(OdcConfig)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ValueError(f"unknown ODC options {unknown}; known: {sorted(known)}")
-        ddp_config = OdcConfig(grad_reduce_in_fp32=grad_reduce_in_fp32, **options)
-        wrapped = OdcDataParallel(config, ddp_config, model)
-        optimizer = OdcOptimizer(dataclasses.replace(optimizer_config), [wrapped])
+    if name in ODC_ENGINE_BACKENDS:
+        odc_config = odc_config or ODCConfig()
+        if name in LOCKSTEP_BACKENDS:
+            odc_config = dataclasses.replace(odc_config, transport=LOCKSTEP_TRANSPORT)
+        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=grad_reduce_in_fp32)
+        wrapped = ODCDataParallel(config, ddp_config, model, odc_config=odc_config)
+        optimizer = ODCOptimizer(dataclasses.replace(optimizer_config), [wrapped])
     else:
+        if odc_config is not None:
+            raise ValueError(f"ODC options apply to --dp-backend odc / fsdp, not {name}")
         use_distopt = name == "distopt"
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=grad_reduce_in_fp32, use_distributed_optimizer=use_distopt
         )
         wrapped = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
         opt_config = dataclasses.replace(optimizer_config, use_distributed_optimizer=use_distopt)
-        if active_cpu_patches() is not None:
+        if on_cpu(model):
             with cuda_type_names():
-                optimizer = _CudaTypeNamesOptimizer(get_megatron_optimizer(opt_config, [wrapped]))
+                optimizer = CudaTypeNamesOptimizer(get_megatron_optimizer(opt_config, [wrapped]))
         else:
             optimizer = get_megatron_optimizer(opt_config, [wrapped])
     config.finalize_model_grads_func = finalize_model_grads

@@ -1,29 +1,22 @@
-"""``OdcDataParallel``: the ODC backend behind megatron-core's data-parallel wrapper contract.
+"""``ODCDataParallel``: the ODC engine behind megatron-core's data-parallel wrapper contract.
 
 It subclasses megatron-core's ``DistributedDataParallel`` (so ``unwrap_model``, Megatron-LM's isinstance
-checks and checkpoint key names accept it) but runs ``_BaseDataParallel.__init__`` and overrides every
-public method of DDP: gradients leave through one-sided pushes after each unit's backward, so
+checks and checkpoint key names accept it) but runs only ``_BaseDataParallel.__init__`` and overrides
+every public method of DDP: gradients leave through one-sided pushes after each unit's backward, so
 ``no_sync`` has nothing to defer, ``start_grad_sync`` nothing to start, and ``finish_grad_sync`` is the
 minibatch fence (plus the TP all-reduce of TP-replicated parameters' owned gradient slices).
-``zero_grad_buffer`` begins a minibatch: it zeroes the owned accumulators and fences, so the parameters
-written by the last step are visible. ``finalize_model_grads`` and the schedules of megatron-core work
-unchanged; a rank with zero microbatches calls ``finalize_model_grads`` directly.
+``zero_grad_buffer`` begins a minibatch. ``finalize_model_grads`` and megatron-core's schedules work
+unchanged; a rank with zero microbatches calls ``finalize_model_grads`` directly (``step.py``).
 
-Units: every ``TransformerLayer`` is fetched and released on its own; all other parameters (embeddings,
-final norm, output layer, a tied embedding used at both ends) form the root unit, fetched for the whole
-forward and backward of a microbatch.
-
-FP8 parameters (TransformerEngine ``Float8Tensor`` under ``--fp8-param-gather``, or
-``EmulatedFloat8Tensor``) are sharded and fetched as FP8 bytes and re-quantised from the owners' fp32
-masters after each step (``megatron_odc.fp8_params``). TE layers' fused wgrad accumulation writes into the
-``main_grad`` the engine binds for each backward and sets ``grad_added_to_main_grad``, which the engine
-honours.
+What is a unit and which parameters are TP-replicated: ``units.py``. FP8 parameters (TransformerEngine
+``Float8Tensor`` under ``--fp8-param-gather``, or ``EmulatedFloat8Tensor``) go through the codec of
+``fp8_te.py``; TE layers' fused wgrad writes into the ``main_grad`` the engine binds for each backward and
+sets ``grad_added_to_main_grad``, which the engine honours.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from collections.abc import Iterator
 
@@ -33,107 +26,57 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import unwrap_model
 
 from megatron_odc.core.engine import ODCEngine
 from megatron_odc.core.fp8 import check_fp8_recipe
 from megatron_odc.core.hooks import ODCHooks
 from megatron_odc.core.telemetry import format_line, reduce_across
+from megatron_odc.mcore.config import LOCKSTEP_TRANSPORT, ODCConfig, refuse_unsupported
 from megatron_odc.mcore.fp8_te import select_fp8_codec
-from megatron_odc.transport import build_transport
+from megatron_odc.mcore.units import ROOT_UNIT, model_units, tp_replicated
+from megatron_odc.transport import build_transport, resolve_transport_name
 from megatron_odc.transport.devices import all_reduce_on_group_device
 
 logger = logging.getLogger(__name__)
 
-ROOT_UNIT = "root"
 
+def check_supported(
+    config: TransformerConfig, ddp_config: DistributedDataParallelConfig, odc_config: ODCConfig
+) -> None:
+    """Every refusal of the wrapper, before anything is built.
 
-@dataclasses.dataclass
-class OdcConfig(DistributedDataParallelConfig):
-    """``DistributedDataParallelConfig`` plus ODC's own fields (Megatron-LM fills same-named args)."""
-
-    odc_transport: str = "auto"
-    """One-sided transport: ``shm`` (CPU, one host), ``cuda`` (PyTorch symmetric memory, the GPUs of one
-    node), ``collective`` (lockstep all-gather / reduce-scatter: the FSDP baseline) or ``auto``
-    (``cuda`` for a model on a GPU, else ``shm``)."""
-
-    odc_cuda_accumulate: str = "atomic"
-    """``cuda`` transport only: ``atomic`` (Triton peer atomics) or ``deterministic`` (staging slots and
-    a fixed-order owner reduce at the fence: bitwise reproducible, one extra shard per source)."""
-
-    odc_pushes_in_flight: int = 1
-    """Unsharded gradient buffers whose push may still run while compute goes on (GPU overlap)."""
-
-    odc_bucket_size: int = 40_000_000
-    """Bucket size in elements; a parameter larger than this is split across buckets."""
-
-    odc_alignment: int = 64
-    """Element alignment of parameter starts and shards."""
-
-    odc_prefetch: bool = True
-    """Fetch the next unit (forward) or previous unit (backward) one step early."""
-
-    odc_timeout_s: float = 300.0
-    """How long a fence waits for a peer before naming it and failing."""
-
-    odc_check_params_equal: bool = True
-    """Check at construction that every DP rank holds the same weights."""
-
-
-def _validate(config: TransformerConfig, ddp_config: DistributedDataParallelConfig) -> None:
-    # Delayed scaling's per-microbatch DP amax reduction would deadlock; FP8 params need a per-tensor recipe.
+    Raises:
+        ValueError: FP8 settings that would deadlock uneven ranks, or a Megatron feature the backend
+            does not combine with (``config.UNSUPPORTED``), named.
+    """
     check_fp8_recipe(config)
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        raise ValueError(
-            "--dp-backend odc does not support pipeline parallelism "
-            "(--pipeline-model-parallel-size must be 1)"
-        )
-    if parallel_state.get_context_parallel_world_size() > 1:
-        raise ValueError("--dp-backend odc does not support --context-parallel-size > 1 yet")
-    if parallel_state.get_expert_model_parallel_world_size() > 1:
-        raise ValueError("--dp-backend odc does not support expert parallelism yet")
-    if ddp_config.use_distributed_optimizer:
-        raise ValueError(
-            "--use-distributed-optimizer does not combine with --dp-backend odc: ODC already shards "
-            "parameters, gradients and optimizer state"
-        )
-    if ddp_config.use_megatron_fsdp or ddp_config.overlap_param_gather:
-        raise ValueError(
-            "--use-megatron-fsdp / --overlap-param-gather do not combine with --dp-backend odc"
-        )
-    if getattr(config, "delay_wgrad_compute", False):
-        raise ValueError("--delay-wgrad-compute does not combine with --dp-backend odc")
+    # The wrapper over the lockstep transport is the fsdp backend: name it as the user did.
+    backend = "fsdp" if odc_config.transport == LOCKSTEP_TRANSPORT else "odc"
+    refuse_unsupported(
+        backend,
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        context_parallel_size=parallel_state.get_context_parallel_world_size(),
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        use_distributed_optimizer=ddp_config.use_distributed_optimizer,
+        use_megatron_fsdp=ddp_config.use_megatron_fsdp,
+        overlap_param_gather=ddp_config.overlap_param_gather,
+        delay_wgrad_compute=getattr(config, "delay_wgrad_compute", False),
+    )
 
 
-def resolve_transport(name: str, module: torch.nn.Module) -> str:
-    """``auto`` -> ``cuda`` when the model's parameters are on a GPU, else ``shm``; others unchanged."""
-    if name != "auto":
-        return name
-    first = next(module.parameters(), None)
-    return "cuda" if first is not None and first.device.type == "cuda" else "shm"
-
-
-def _units(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    units = []
-    for name, sub in module.named_modules():
-        if isinstance(sub, TransformerLayer) and not any(
-            name.startswith(u + ".") for u, _ in units
-        ):
-            units.append((name, sub))
-    return units
-
-
-class OdcDataParallel(DistributedDataParallel):
+class ODCDataParallel(DistributedDataParallel):
     """ODC data parallelism for one megatron-core model chunk.
 
     Args:
         config: the model's ``TransformerConfig``.
-        ddp_config: a ``DistributedDataParallelConfig``; an ``OdcConfig`` carries ODC's own options.
+        ddp_config: megatron-core's ``DistributedDataParallelConfig`` (``grad_reduce_in_fp32`` is
+            read; the options ODC cannot honour are refused).
         module: the model (a ``GPTModel``, possibly inside ``Float16Module``); every DP rank must hold the
             same weights.
         disable_bucketing: accepted for signature compatibility; ODC buckets by unit and size.
         pg_collection: optional process groups (``dp`` and ``tp`` are used).
+        odc_config: ODC's own options (default ``ODCConfig()``).
     """
 
     def __init__(
@@ -143,12 +86,14 @@ class OdcDataParallel(DistributedDataParallel):
         module: torch.nn.Module,
         disable_bucketing: bool = False,
         pg_collection=None,
-        **kwargs,
+        *,
+        odc_config: ODCConfig | None = None,
     ) -> None:
         _BaseDataParallel.__init__(self, config=config, module=module)
-        _validate(config, ddp_config)
-        odc = ddp_config if isinstance(ddp_config, OdcConfig) else OdcConfig()
+        odc_config = odc_config or ODCConfig()
+        check_supported(config, ddp_config, odc_config)
         self.ddp_config = ddp_config
+        self.odc_config = odc_config
         if pg_collection is not None:
             self.dp_group = pg_collection.dp
             self.tp_group = pg_collection.tp
@@ -165,35 +110,26 @@ class OdcDataParallel(DistributedDataParallel):
         self.use_forward_hook = False
         self.overlap_param_gather_with_optimizer_step = False
 
-        units = _units(module)
-        unit_of = {}
-        for unit, sub in units:
-            for pname, _ in sub.named_parameters(prefix=unit):
-                unit_of[pname] = unit
-        named = [(n, p, unit_of.get(n, ROOT_UNIT)) for n, p in module.named_parameters()]
-        has_root = any(u == ROOT_UNIT for _, _, u in named)
-        order = {ROOT_UNIT: -1, **{u: i for i, (u, _) in enumerate(units)}}
-        named.sort(key=lambda t: order[t[2]])  # root first, then layers in forward order (stable)
-
-        fp8_codec = select_fp8_codec((n, p) for n, p, _ in named)
-        transport_name = resolve_transport(odc.odc_transport, module)
-        options = {"timeout_s": odc.odc_timeout_s}
-        if transport_name == "cuda":
-            options["accumulate_mode"] = odc.odc_cuda_accumulate
-        transport = build_transport(transport_name, self.dp_group, **options)
-        self.transport_name = transport_name
-        grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else config.params_dtype
+        units = model_units(module)
+        first = next(module.parameters(), None)
+        self.transport_name = resolve_transport_name(
+            odc_config.transport, first.device if first is not None else torch.device("cpu")
+        )
+        options = {"timeout_s": odc_config.timeout_s}
+        if self.transport_name == "cuda":
+            options["accumulate_mode"] = odc_config.cuda_accumulate
+        transport = build_transport(self.transport_name, self.dp_group, **options)
         try:
             self.engine = ODCEngine(
-                named,
+                units.named_params,
                 transport,
                 self.dp_group,
-                bucket_numel=odc.odc_bucket_size,
-                alignment=odc.odc_alignment,
-                grad_dtype=grad_dtype,
-                check_params_equal=odc.odc_check_params_equal,
-                max_pushes_in_flight=odc.odc_pushes_in_flight,
-                fp8_codec=fp8_codec,
+                bucket_numel=odc_config.bucket_size,
+                alignment=odc_config.alignment,
+                grad_dtype=torch.float32 if ddp_config.grad_reduce_in_fp32 else config.params_dtype,
+                check_params_equal=odc_config.check_params_equal,
+                max_pushes_in_flight=odc_config.pushes_in_flight,
+                fp8_codec=select_fp8_codec((n, p) for n, p, _ in units.named_params),
             )
         except BaseException:
             transport.close()  # a refused model (e.g. weights differ across DP) leaks no files or fds
@@ -201,28 +137,15 @@ class OdcDataParallel(DistributedDataParallel):
         self.hooks = ODCHooks(
             self.engine,
             module,
-            units,
-            ROOT_UNIT if has_root else None,
-            prefetch=odc.odc_prefetch,
+            units.modules,
+            ROOT_UNIT if units.has_root else None,
+            prefetch=odc_config.prefetch,
         )
-        # TP-replicated parameters: partial gradients (sequence parallel, q/k layernorm) are summed over
-        # TP; the others hold the same gradient on every TP rank up to the order in which peers' pushes
-        # were added, so they are averaged to keep the replicas bitwise identical.
-        self._tp_sum_names = {
-            n
-            for n, p, _ in named
-            if (config.sequence_parallel and getattr(p, "sequence_parallel", False))
-            or (config.qk_layernorm and ("q_layernorm" in n or "k_layernorm" in n))
-        }
-        self._tp_avg_names = {
-            n
-            for n, p, _ in named
-            if n not in self._tp_sum_names and not getattr(p, "tensor_model_parallel", False)
-        }
-        self._last_telemetry: dict | None = None
+        self._tp_replicated = tp_replicated(units.named_params, config)
         # Parameter names as the unwrapped model (inside Float16Module) calls them, by engine name.
         inner_names = {id(p): n for n, p in unwrap_model(module).named_parameters()}
-        self._state_key = {n: inner_names.get(id(p), n) for n, p, _ in named}
+        self.state_key = {n: inner_names.get(id(p), n) for n, p, _ in units.named_params}
+        """Engine parameter name -> the unwrapped module's name of it (they differ under Float16Module)."""
 
     # ------------------------------------------------------------------ grad sync contract
 
@@ -247,8 +170,9 @@ class OdcDataParallel(DistributedDataParallel):
         tp_size = dist.get_world_size(self.tp_group)
         if tp_size <= 1:
             return
-        for names, average in ((self._tp_sum_names, False), (self._tp_avg_names, True)):
-            slices = self._owned_grad_slices(names)
+        replicated = self._tp_replicated
+        for names, average in ((replicated.summed, False), (replicated.averaged, True)):
+            slices = self.engine.owned.grads_of(names)
             if not slices:
                 continue
             flat = torch.cat(slices)
@@ -259,14 +183,6 @@ class OdcDataParallel(DistributedDataParallel):
             for s in slices:
                 s.copy_(flat[offset : offset + s.numel()])
                 offset += s.numel()
-
-    def _owned_grad_slices(self, names: set[str]) -> list[torch.Tensor]:
-        engine = self.engine
-        return [
-            engine.grad_shard(p.bucket_index)[p.shard_lo : p.shard_hi]
-            for p in engine.owned_pieces()
-            if p.name in names
-        ]
 
     def scale_gradients(self, scaling_factor: float) -> None:
         """Scale the owned fp32 accumulators (``finalize_model_grads`` passes 1/num_tokens)."""
@@ -307,7 +223,7 @@ class OdcDataParallel(DistributedDataParallel):
         state = self.module.state_dict(prefix=prefix, keep_vars=False, destination=destination)
         for name, value in full.items():
             # Float16Module's state dict uses the inner model's names; the engine's carry "module.".
-            for key in (prefix + self._state_key[name], prefix + name):
+            for key in (prefix + self.state_key[name], prefix + name):
                 if key in state:
                     state[key] = value
         return state
@@ -321,11 +237,11 @@ class OdcDataParallel(DistributedDataParallel):
         params = dict(self.engine.parameters())
         values = {}
         for name in params:
-            for key in (self._state_key[name], name):  # the inner model's names, or the engine's
+            for key in (self.state_key[name], name):  # the inner model's names, or the engine's
                 if key in state_dict:
                     values[name] = state_dict[key]
                     break
-        missing = [self._state_key[n] for n in params if n not in values]
+        missing = [self.state_key[n] for n in params if n not in values]
         if strict and missing:
             raise ValueError(f"load_state_dict: missing parameters {missing[:5]}")
         for name, value in values.items():
@@ -357,7 +273,6 @@ class OdcDataParallel(DistributedDataParallel):
         reduced = reduce_across(self.engine.telemetry.snapshot(), self.dp_group)
         if dist.get_rank() == 0:
             logger.info(format_line(reduced))
-        self._last_telemetry = reduced
         return reduced
 
     def close(self) -> None:

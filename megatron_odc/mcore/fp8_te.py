@@ -1,7 +1,7 @@
 """The FP8 parameter codec of a model: TransformerEngine ``Float8Tensor`` or the emulated FP8 weight.
 
 ``select_fp8_codec(named_params)`` looks at a model's parameters and returns the ``Float8ParamCodec``
-(``megatron_odc.fp8``) the engine needs for them, or ``None`` when no parameter is FP8:
+(``megatron_odc.core.fp8``) the engine needs for them, or ``None`` when no parameter is FP8:
 
 - ``TEFloat8Codec``: TE's per-tensor-scaled ``Float8Tensor`` parameters (``--fp8-param-gather`` with the
   delayed or tensorwise recipe), through megatron-core's ``fp8_utils`` (the same calls megatron-core's
@@ -29,6 +29,7 @@ from megatron_odc.core.fp8 import (
     EmulatedFloat8Codec,
     EmulatedFloat8Tensor,
     Float8ParamCodec,
+    FP8ShardSlices,
     require_transformer_engine,
 )
 
@@ -40,7 +41,7 @@ TE_MIN_VERSION = "2.3"
 _TORCH_FP8_DTYPES = {"kFloat8E4M3": "float8_e4m3fn", "kFloat8E5M2": "float8_e5m2"}
 
 
-class TEFloat8Codec:
+class TEFloat8Codec(Float8ParamCodec):
     """``Float8ParamCodec`` of TransformerEngine's ``Float8Tensor`` (per-tensor scaling).
 
     Raises:
@@ -120,17 +121,14 @@ class TEFloat8Codec:
             return flat.to(device=data.device, dtype=torch.float32)
         return self.dequantize_bytes(param, data)
 
-    def quantize_shards(
-        self,
-        params: Sequence[torch.Tensor],
-        mains: Sequence[torch.Tensor | None],
-        offsets: Sequence[int | None],
-        shards: Sequence[torch.Tensor | None],
-        group: dist.ProcessGroup | None,
-    ) -> None:
+    def _quantize_shards(self, slices: FP8ShardSlices, group: dist.ProcessGroup | None) -> None:
         """megatron-core's ``quantize_param_shard`` with the owned bytes as shard targets."""
         self._fp8_utils.quantize_param_shard(
-            list(params), list(mains), list(offsets), group, fsdp_shard_model_params=list(shards)
+            slices.params,
+            slices.mains,
+            slices.offsets,
+            group,
+            fsdp_shard_model_params=slices.shards,
         )
 
 

@@ -1,10 +1,11 @@
-"""Small megatron-core GPT models for tests and benchmarks: a config dataclass and a deterministic builder.
+"""megatron-core GPT models: a config dataclass and a deterministic builder.
 
-The builder uses the local layer spec (``get_gpt_layer_local_spec()``, no TransformerEngine) and CPU
-weight initialisation, so a model built from the same seed holds the same *full* weights under every
-tensor-parallel layout (each TP layer draws its full master weight from the CPU generator and keeps its
-partition). On CPU, apply :func:`megatron_odc.patches.cpu.apply_cpu_patches` first.
-``megatron.core.parallel_state.initialize_model_parallel(...)`` must have run.
+The builder uses CPU weight initialisation, so a model built from the same seed holds the same *full*
+weights under every tensor-parallel layout (each TP layer draws its full master weight from the CPU
+generator and keeps its partition); the layer spec is megatron-core's local one (no TransformerEngine)
+or, where TE is installed, TE's, with FP8 compute if asked. ``parallel.model_parallel`` (or
+``parallel_state.initialize_model_parallel``) must be active; on CPU, apply ``integration/cpu.py``'s
+``apply_cpu_patches`` first.
 """
 
 from __future__ import annotations
@@ -111,20 +112,78 @@ def transformer_config(cfg: GPTConfig) -> TransformerConfig:
     )
 
 
-def build_gpt_model(cfg: GPTConfig, seed: int) -> GPTModel:
-    """Build a GPTModel on the local spec, deterministic given ``seed`` and the TP layout.
+@dataclasses.dataclass(frozen=True)
+class FP8Settings:
+    """FP8 compute of TransformerEngine layers (``--fp8-format`` and friends).
+
+    Attributes:
+        fmt: ``e4m3`` or ``hybrid``.
+        recipe: Megatron's ``--fp8-recipe``.
+        param: keep FP8 parameters (``--fp8-param-gather``); ODC shards and fetches their bytes.
+    """
+
+    fmt: str
+    recipe: str = "delayed"
+    param: bool = False
+
+
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
+"""Layer specs: megatron-core's local modules, or TransformerEngine's (needs TE)."""
+
+
+def build_gpt_model(
+    cfg: GPTConfig,
+    seed: int,
+    *,
+    transformer_impl: str = "local",
+    fp8: FP8Settings | None = None,
+) -> GPTModel:
+    """Build a GPTModel, deterministic given ``seed`` and the TP layout.
 
     Reseeds the model-parallel RNG trackers and the CPU generator with ``seed``. Under any TP size the
     TP partitions are slices of the same full weights (CPU initialisation draws each full weight).
+
+    Args:
+        cfg: shape and numerics.
+        seed: initialisation seed.
+        transformer_impl: one of ``TRANSFORMER_IMPLS``.
+        fp8: FP8 compute (TransformerEngine layers only); its amax is reduced over TP only, because
+            ODC ranks run different numbers of microbatches ([Note: FP8 amax reductions]).
     """
+    if transformer_impl not in TRANSFORMER_IMPLS:
+        raise ValueError(
+            f"--transformer-impl {transformer_impl!r} is not one of {', '.join(TRANSFORMER_IMPLS)}"
+        )
     model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)
     config = transformer_config(cfg)
+    if transformer_impl == "local":
+        spec = get_gpt_layer_local_spec(normalization=cfg.normalization)
+    else:
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+
+        spec = get_gpt_layer_with_transformer_engine_spec(normalization=cfg.normalization)
+    if fp8 is not None:
+        # FP8 parameters (fp8_param) are built by the TE layers under fp8_model_init.
+        config = dataclasses.replace(
+            config, fp8=fp8.fmt, fp8_recipe=fp8.recipe, fp8_param=fp8.param, tp_only_amax_red=True
+        )
     return GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization=cfg.normalization),
+        transformer_layer_spec=spec,
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.seq_length,
         share_embeddings_and_output_weights=cfg.share_embeddings_and_output_weights,
         position_embedding_type=cfg.position_embedding_type,
     )
+
+
+def with_mixed_precision(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` inside megatron-core's ``Float16Module`` when its config is bf16 or fp16, else itself."""
+    if not (model.config.bf16 or model.config.fp16):
+        return model
+    from megatron.core.transformer.module import Float16Module
+
+    return Float16Module(model.config, model)

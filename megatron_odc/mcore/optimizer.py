@@ -1,6 +1,6 @@
 """The sharded mixed-precision optimizer over ODC's owned shards, with Megatron's optimizer surface.
 
-``OdcOptimizer`` keeps, for every bucket, an fp32 *main* shard of the elements this DP rank owns and the
+``ODCOptimizer`` keeps, for every bucket, an fp32 *main* shard of the elements this DP rank owns and the
 inner optimizer's state (Adam: two more fp32 tensors) for those elements only. Each owned piece of a
 parameter becomes one optimizer tensor (a view into the main shard) whose ``.grad`` is a view into the
 bucket's fp32 gradient accumulator, so the param groups of megatron-core's ``_get_param_groups`` (weight
@@ -17,6 +17,7 @@ reductions run on the process group's device.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 
@@ -30,9 +31,30 @@ from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.tensor_parallel import copy_tensor_model_parallel_attributes
 
 from megatron_odc.core.engine import ODCEngine
+from megatron_odc.core.storage import OwnedPiece
+from megatron_odc.mcore.config import refuse_unsupported
+from megatron_odc.mcore.dist_ckpt import optimizer_state
 from megatron_odc.transport.devices import all_reduce_on_group_device
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerPiece:
+    """One owned run of a parameter, as the inner optimizer sees it.
+
+    Attributes:
+        main: the optimizer's tensor: a view of the fp32 main shard over ``owned``; its ``.grad`` is a
+            view of the engine's gradient accumulator over the same run.
+        engine: the engine that owns the run.
+        owned: the run.
+        counted_in_norm: whether its gradient counts in the global norm on this rank.
+    """
+
+    main: torch.nn.Parameter
+    engine: ODCEngine
+    owned: OwnedPiece
+    counted_in_norm: bool
 
 
 def _param_is_counted_in_norm(param: torch.nn.Parameter, tp_rank: int) -> bool:
@@ -42,13 +64,13 @@ def _param_is_counted_in_norm(param: torch.nn.Parameter, tp_rank: int) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
 
 
-class OdcOptimizer(MegatronOptimizer):
+class ODCOptimizer(MegatronOptimizer):
     """Adam (or SGD) over the owned shards of every ODC-wrapped model chunk.
 
     Args:
         config: megatron-core ``OptimizerConfig`` (optimizer, lr, weight decay, Adam betas/eps, clip_grad,
             fp16/bf16 and loss-scale fields, ``log_num_zeros_in_grad``).
-        model_chunks: ``OdcDataParallel`` instances (they expose ``engine``).
+        model_chunks: ``ODCDataParallel`` instances (they expose ``engine``).
         config_overrides: per-parameter overrides, as for ``get_megatron_optimizer``.
         grad_stats_group: group over which grad norms, zero counts and inf flags are reduced; default
             the whole world (each element is owned by exactly one DP rank of each TP rank).
@@ -65,15 +87,11 @@ class OdcOptimizer(MegatronOptimizer):
             raise ValueError(
                 f"--optimizer {config.optimizer!r} is not supported by the ODC optimizer (adam, sgd)"
             )
-        if config.use_distributed_optimizer:
-            raise ValueError(
-                "--use-distributed-optimizer does not combine with --dp-backend odc: ODC already "
-                "shards parameters, gradients and optimizer state"
-            )
-        if config.use_precision_aware_optimizer:
-            raise ValueError(
-                "--use-precision-aware-optimizer is not supported with --dp-backend odc"
-            )
+        refuse_unsupported(
+            "odc",
+            use_distributed_optimizer=config.use_distributed_optimizer,
+            use_precision_aware_optimizer=config.use_precision_aware_optimizer,
+        )
         self.model_chunks = list(model_chunks)
         self.engines: list[ODCEngine] = [chunk.engine for chunk in self.model_chunks]
         self.grad_stats_parallel_group = grad_stats_group or dist.group.WORLD
@@ -87,7 +105,8 @@ class OdcOptimizer(MegatronOptimizer):
 
         # fp32 main shards (one flat tensor per bucket) and the optimizer's per-piece views.
         self._main_shards: list[list[torch.Tensor]] = []
-        self._pieces: list[tuple[torch.nn.Parameter, ODCEngine, int, int, int]] = []
+        self.pieces: list[OptimizerPiece] = []
+        """Every owned run of every trainable parameter, in the engines' layout order."""
         pieces_by_group: list[list[torch.nn.Parameter]] = [[] for _ in groups]
         for engine in self.engines:
             params = dict(engine.parameters())
@@ -102,25 +121,26 @@ class OdcOptimizer(MegatronOptimizer):
                     mains.append(shard.detach().to(torch.float32).clone())
             for owned in engine.owned_pieces():
                 model_param = params[owned.name]
-                main = mains[owned.bucket_index]
-                lo, hi = owned.shard_lo, owned.shard_hi
+                main = mains[owned.bucket_index][owned.shard_lo : owned.shard_hi]
                 if owned.name in engine.fp8_names:
-                    main[lo:hi] = engine.fp8_codec.master_values(
-                        model_param,
-                        owned.param_start,
-                        engine.param_shard(owned.bucket_index)[lo:hi],
+                    main.copy_(
+                        engine.fp8_codec.master_values(
+                            model_param, owned.param_start, engine.owned.piece_param(owned)
+                        )
                     )
                 if not model_param.requires_grad:
                     continue
-                piece = torch.nn.Parameter(main[lo:hi])
-                piece.grad = engine.grad_shard(owned.bucket_index)[lo:hi]
+                piece = torch.nn.Parameter(main)
+                piece.grad = engine.owned.piece_grad(owned)
                 copy_tensor_model_parallel_attributes(piece, model_param)
                 if getattr(model_param, "shared", False):
                     piece.shared = True
-                piece.odc_name = owned.name
-                piece.odc_counted_in_norm = _param_is_counted_in_norm(model_param, self.tp_rank)
                 pieces_by_group[group_of_param[id(model_param)]].append(piece)
-                self._pieces.append((piece, engine, owned.bucket_index, lo, hi))
+                self.pieces.append(
+                    OptimizerPiece(
+                        piece, engine, owned, _param_is_counted_in_norm(model_param, self.tp_rank)
+                    )
+                )
             self._main_shards.append(mains)
 
         inner_groups = []
@@ -166,11 +186,6 @@ class OdcOptimizer(MegatronOptimizer):
         self.device = self.engines[0].device if self.engines else torch.device("cpu")
         self._scale_one = torch.ones(1, dtype=torch.float32, device=self.device)
 
-    @property
-    def owned_pieces(self) -> list[tuple[torch.nn.Parameter, ODCEngine, int, int, int]]:
-        """``(optimizer tensor, engine, bucket index, lo, hi)`` per owned piece; ``[lo, hi)`` in the shard."""
-        return self._pieces
-
     # ------------------------------------------------------------------ Megatron surface
 
     def get_loss_scale(self) -> torch.Tensor:
@@ -181,7 +196,7 @@ class OdcOptimizer(MegatronOptimizer):
         """Nothing to do: the accumulators are zeroed when the next minibatch begins."""
 
     def _owned_grads(self) -> list[torch.Tensor]:
-        return [piece.grad for piece, *_ in self._pieces]
+        return [piece.main.grad for piece in self.pieces]
 
     @torch.no_grad()
     def prepare_grads(self) -> bool:
@@ -204,9 +219,9 @@ class OdcOptimizer(MegatronOptimizer):
     def get_grad_norm(self) -> float:
         """L2 norm of the whole model's gradient (each element once, over DP and TP)."""
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for piece, *_ in self._pieces:
-            if piece.odc_counted_in_norm:
-                total += piece.grad.double().pow(2).sum()
+        for piece in self.pieces:
+            if piece.counted_in_norm:
+                total += piece.main.grad.double().pow(2).sum()
         all_reduce_on_group_device(total, group=self.grad_stats_parallel_group)
         return float(total.sqrt())
 
@@ -224,9 +239,9 @@ class OdcOptimizer(MegatronOptimizer):
     def count_zeros(self) -> float:
         """Number of zero gradient elements over the whole model."""
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for piece, *_ in self._pieces:
-            if piece.odc_counted_in_norm:
-                total += (piece.grad == 0).sum()
+        for piece in self.pieces:
+            if piece.counted_in_norm:
+                total += (piece.main.grad == 0).sum()
         all_reduce_on_group_device(total, group=self.grad_stats_parallel_group)
         return float(total)
 
@@ -276,13 +291,10 @@ class OdcOptimizer(MegatronOptimizer):
             for bucket, main in zip(engine.layout.buckets, mains):
                 if bucket.dtype != torch.uint8:
                     main.copy_(engine.param_shard(bucket.index))
-            params = dict(engine.parameters())
             for piece in engine.owned_pieces():
-                if piece.name in engine.fp8_names:
-                    lo, hi = piece.shard_lo, piece.shard_hi
-                    mains[piece.bucket_index][lo:hi] = engine.fp8_codec.dequantize_bytes(
-                        params[piece.name], engine.param_shard(piece.bucket_index)[lo:hi]
-                    )
+                if piece.name in engine.fp8_names:  # the values the owned FP8 bytes stand for
+                    main = mains[piece.bucket_index][piece.shard_lo : piece.shard_hi]
+                    main.copy_(engine.owned.piece_values(piece))
 
     def reload_model_params(self, state_dict=None) -> None:
         """Refresh the fp32 main shards from the model's (compute-dtype) shards, e.g. after a load."""
@@ -311,32 +323,36 @@ class OdcOptimizer(MegatronOptimizer):
         """Load what ``state_dict()`` returned on the same DP layout, or a dist-checkpoint load.
 
         A dict with ``param_state`` is what ``dist_checkpointing.load`` returned for
-        :meth:`sharded_state_dict` (Megatron-LM's ``load_checkpoint``); it goes to
-        ``megatron_odc.checkpoint.load_odc_optimizer_state_dict``. Both forms are collective (fence).
+        :meth:`sharded_state_dict` (Megatron-LM's ``load_checkpoint``). Either way the loaded fp32 main
+        shards are then written into the model's shards (collective: fences).
         """
         if "param_state" in state_dict:
-            from megatron_odc.runner.checkpoint import load_odc_optimizer_state_dict
+            optimizer_state.load_odc_optimizer_state(self, state_dict)
+        else:
+            self.optimizer.load_state_dict(state_dict["optimizer"])
+            if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
+                self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+            for mains, saved in zip(self._main_shards, state_dict["main_shards"]):
+                for main, value in zip(mains, saved):
+                    main.copy_(value)
+        self.write_loaded_main_params()
 
-            load_odc_optimizer_state_dict(self, state_dict)
-            return
-        self.optimizer.load_state_dict(state_dict["optimizer"])
-        if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
-            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
-        for mains, saved in zip(self._main_shards, state_dict["main_shards"]):
-            for main, value in zip(mains, saved):
-                main.copy_(value)
+    def write_loaded_main_params(self) -> None:
+        """Write the fp32 main shards into the model's shards outside a step (after a load).
+
+        Collective: stale unsharded copies are released, peers still reading the current shards are
+        waited for, and a final fence makes the loaded shards visible to every rank.
+        """
         for engine in self.engines:
-            engine.begin_shard_writes()  # peers may still be reading the current shards
+            engine.release_all()
+            engine.begin_shard_writes()
         self._copy_main_params_to_model_params()
-        self._end_step()  # collective: the loaded shards are visible to every rank
+        self._end_step()
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
         """The optimizer's torch_dist state: owned-slice boxes under DistOpt's fully-reshardable keys.
 
-        Built by ``megatron_odc.checkpoint.odc_optimizer_sharded_state_dict`` from this optimizer's
-        model chunk (``model_sharded_state_dict`` and ``kwargs``, e.g. Megatron-LM's ``metadata``,
-        are not needed). Collective when saving.
+        See ``dist_ckpt/optimizer_state.py``; ``model_sharded_state_dict`` and ``kwargs`` (e.g.
+        Megatron-LM's ``metadata``) are not needed. Collective when saving.
         """
-        from megatron_odc.runner.checkpoint import odc_optimizer_sharded_state_dict
-
-        return odc_optimizer_sharded_state_dict(self, is_loading=is_loading)
+        return optimizer_state.odc_optimizer_sharded_state_dict(self, is_loading=is_loading)

@@ -4,13 +4,16 @@
 per-token loss contract (``config.calculate_per_token_loss``): each microbatch's loss is a token *sum*,
 ``finalize_model_grads`` all-reduces the token count over DP and scales the gradients by its inverse, so
 ranks may run different numbers of microbatches and the result equals one process running them all. A rank
-with zero microbatches skips the schedule and calls ``finalize_model_grads`` itself with a zero count (the
-schedule cannot run zero microbatches). Works for every backend: ODC, FSDP, megatron-core DDP / distopt.
+with zero microbatches skips the schedule and calls ``finalize_model_grads`` itself with a zero count
+(:func:`finalize_without_microbatches`, also what the Megatron-LM integration runs). Works for every
+backend: ODC, FSDP, megatron-core DDP / distopt. :func:`per_token_loss` and :func:`gpt_forward_step` are
+the loss and forward step of a GPT on packed batches.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -19,6 +22,42 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
 from megatron_odc.transport.devices import collective_device
+
+
+def finalize_without_microbatches(model_chunks: Sequence[torch.nn.Module]) -> None:
+    """What a rank with zero microbatches runs in place of the schedule (which cannot run zero).
+
+    ``finalize_model_grads`` with a token count of 0: the rank joins the DP fence and the global token
+    all-reduce, and contributes no gradient.
+    """
+    config = get_model_config(model_chunks[0])
+    finalize = config.finalize_model_grads_func or finalize_model_grads
+    # megatron-core all-reduces the token count over DP: on the group's device (CUDA for NCCL).
+    finalize(list(model_chunks), torch.zeros([], dtype=torch.int, device=collective_device()))
+
+
+def per_token_loss(
+    loss_mask: torch.Tensor, output_tensor: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Megatron's 3-tuple loss: (token-loss sum, loss-token count, report ``[sum, count]``)."""
+    losses = output_tensor.float().reshape(-1)
+    mask = loss_mask.reshape(-1).float()
+    loss_sum = (losses * mask).sum()
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss_sum.detach(), num_tokens.detach().float()])
+    return loss_sum, num_tokens, {"lm loss": report}
+
+
+def gpt_forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
+    """Megatron ``forward_step_func``: GPT forward on one batch dict with per-token losses.
+
+    The batch holds ``tokens``, ``position_ids``, ``attention_mask``, ``labels`` and ``loss_mask``.
+    """
+    batch = next(data_iterator)
+    output = model(
+        batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
+    )
+    return output, functools.partial(per_token_loss, batch["loss_mask"])
 
 
 def train_step(
@@ -64,9 +103,7 @@ def train_step(
         )
     else:
         losses = []
-        finalize = config.finalize_model_grads_func or finalize_model_grads
-        # megatron-core all-reduces the token count over DP: on the group's device (CUDA for NCCL).
-        finalize([model], torch.zeros([], dtype=torch.int, device=collective_device()))
+        finalize_without_microbatches([model])
     update_successful, grad_norm, num_zeros = optimizer.step()
     return {
         "losses": losses,

@@ -1,7 +1,7 @@
 """ODC on a real megatron-core GPTModel trains the same model as megatron-core's own DDP / distopt.
 
-Each rank body builds two identical models from one seed: one wrapped in ``OdcDataParallel`` with
-``OdcOptimizer``, one in megatron-core's ``DistributedDataParallel`` with ``get_megatron_optimizer``
+Each rank body builds two identical models from one seed: one wrapped in ``ODCDataParallel`` with
+``ODCOptimizer``, one in megatron-core's ``DistributedDataParallel`` with ``get_megatron_optimizer``
 (Adam, weight decay, clipping), and trains both for several steps on the same per-rank microbatches
 (per-token loss). Losses must agree per step and parameters at the end. Uneven microbatch counts (and a
 rank with none) are compared with a single-process run of the union of the samples.
@@ -39,19 +39,21 @@ def _forward_step(data_iterator, model):
 
 
 def _build_odc(model, *, lr, weight_decay, clip_grad, transport="shm", bucket_size=3000):
-    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig
 
-    from megatron_odc.mcore.data_parallel import OdcConfig, OdcDataParallel
-    from megatron_odc.mcore.optimizer import OdcOptimizer
+    from megatron_odc.mcore.config import ODCConfig
+    from megatron_odc.mcore.data_parallel import ODCDataParallel
+    from megatron_odc.mcore.optimizer import ODCOptimizer
 
     config = model.config
-    odc_model = OdcDataParallel(
+    odc_model = ODCDataParallel(
         config,
-        OdcConfig(grad_reduce_in_fp32=True, odc_transport=transport, odc_bucket_size=bucket_size),
+        DistributedDataParallelConfig(grad_reduce_in_fp32=True),
         model,
+        odc_config=ODCConfig(transport=transport, bucket_size=bucket_size),
     )
-    opt = OdcOptimizer(
+    opt = ODCOptimizer(
         OptimizerConfig(
             optimizer="adam",
             lr=lr,
@@ -78,7 +80,7 @@ def _loss_report(losses) -> tuple[float, float]:
 def _run_parity(rank, world_size, tp, sp, counts, steps, oracle):
     from megatron.core import parallel_state
 
-    from megatron_odc.integration.cpu import cuda_type_names
+    from megatron_odc.mcore.cpu_optimizers import cuda_type_names
     from megatron_odc.mcore.model import GPTConfig, build_gpt_model
     from megatron_odc.mcore.step import train_step
     from tests._megatron import build_megatron_ddp, init_megatron, teardown_megatron
@@ -168,12 +170,14 @@ def _run_bad_pp(rank, world_size):
     apply_cpu_patches()
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
     try:
-        from megatron_odc.mcore.data_parallel import OdcConfig, OdcDataParallel
+        from megatron.core.distributed import DistributedDataParallelConfig
+
+        from megatron_odc.mcore.data_parallel import ODCDataParallel
         from megatron_odc.mcore.model import GPTConfig, transformer_config
 
         cfg = GPTConfig(**CFG_KW)
         config = transformer_config(cfg)
-        OdcDataParallel(config, OdcConfig(), torch.nn.Linear(2, 2))
+        ODCDataParallel(config, DistributedDataParallelConfig(), torch.nn.Linear(2, 2))
     finally:
         parallel_state.destroy_model_parallel()
         dist.barrier()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_odc.mcore.config import ODCConfig
 from tests._dist import run_ranks
 from tests._megatron import SMALL_GPT
 
@@ -63,7 +64,7 @@ def _build(model, *, with_fp8: bool):
         optimizer="sgd", lr=LR, weight_decay=0.0, clip_grad=0.0, sgd_momentum=0.0
     )
     wrapped, optimizer = build_backend(
-        "odc", model, opt_config, odc_options={"odc_bucket_size": 1500}
+        "odc", model, opt_config, odc_config=ODCConfig(bucket_size=1500)
     )
     assert bool(wrapped.engine.fp8_names) == with_fp8
     return wrapped, optimizer

@@ -12,7 +12,7 @@ Covers what ``test_data_parallel.py`` (fp32 parity with megatron-core's DDP / di
 - bad input (weights that differ across DP ranks, shared memory that cannot be created) fails at
   construction with a ``ValueError`` naming what is wrong, long before any deadline;
 - the ``fsdp`` backend (collective transport) equals ``odc``, ``ddp`` and ``distopt`` under TP=2 x DP=2,
-  all four through ``megatron_odc.step.train_step``;
+  all four through ``megatron_odc.mcore.step.train_step``;
 - the wrapper contract: DDP's public methods are overridden, ``unwrap_model`` unwraps the wrapper, and a
   rank with zero microbatches plus ``state_dict()`` match megatron-core DDP.
 
@@ -35,6 +35,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_odc.mcore.config import ODCConfig
 from tests._dist import run_ranks
 from tests._megatron import SMALL_GPT
 
@@ -347,7 +348,7 @@ def _check_bf16(rank: int, world_size: int, steps: int) -> dict:
         "odc",
         model,
         _optimizer_config(cfg, lr=1e-2, weight_decay=0.0, clip_grad=1.0),
-        odc_options={"odc_bucket_size": MEM_BUCKET_NUMEL},
+        odc_config=ODCConfig(bucket_size=MEM_BUCKET_NUMEL),
     )
     out = {"unwrap_is_gpt": unwrap_model(odc_model) is gpt, "losses": [], "success": []}
     peak = _track_peak_unsharded(odc_model.engine)
@@ -387,7 +388,7 @@ def _check_fp16(rank: int, world_size: int, steps: int, inject_step: int) -> dic
             hysteresis=1,
             loss_scale_window=1000,
         ),
-        odc_options={"odc_bucket_size": MEM_BUCKET_NUMEL},
+        odc_config=ODCConfig(bucket_size=MEM_BUCKET_NUMEL),
     )
     engine = odc_model.engine
     opt_params = [p for g in opt.optimizer.param_groups for p in g["params"]]
@@ -508,7 +509,7 @@ def _check_promise(rank: int, world_size: int, counts_by_step: list[list[int]]) 
     opt_cfg = _optimizer_config(cfg)
     gpt = build_gpt_model(cfg, seed=11)
     odc_model, odc_opt = build_backend(
-        "odc", gpt, opt_cfg, odc_options={"odc_bucket_size": PROMISE_BUCKET_NUMEL}
+        "odc", gpt, opt_cfg, odc_config=ODCConfig(bucket_size=PROMISE_BUCKET_NUMEL)
     )
     ref_model, ref_opt = build_backend("ddp", build_gpt_model(cfg, seed=11), opt_cfg)
     engine = odc_model.engine
@@ -601,11 +602,11 @@ def _check_promise(rank: int, world_size: int, counts_by_step: list[list[int]]) 
 
 
 def _check_contract() -> dict:
-    """Public methods of megatron-core's DDP wrapper contract that OdcDataParallel does not define."""
+    """Public methods of megatron-core's DDP wrapper contract that ODCDataParallel does not define."""
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 
-    from megatron_odc.mcore.data_parallel import OdcDataParallel
+    from megatron_odc.mcore.data_parallel import ODCDataParallel
 
     public = {
         name
@@ -617,14 +618,14 @@ def _check_contract() -> dict:
     # and megatron-core's DDP does not override it either.
     forward_ok = (
         "forward" not in vars(DistributedDataParallel)
-        and OdcDataParallel.forward is _BaseDataParallel.forward
+        and ODCDataParallel.forward is _BaseDataParallel.forward
     )
     public.discard("forward")
-    missing = sorted(name for name in public if name not in vars(OdcDataParallel))
+    missing = sorted(name for name in public if name not in vars(ODCDataParallel))
     # Every override accepts the parameter names megatron-core callers may pass by keyword.
     lacking = {}
     for name in sorted(set(public) - set(missing)):
-        ours = inspect.signature(getattr(OdcDataParallel, name)).parameters
+        ours = inspect.signature(getattr(ODCDataParallel, name)).parameters
         theirs = inspect.signature(getattr(DistributedDataParallel, name)).parameters
         if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in ours.values()):
             continue
@@ -709,9 +710,11 @@ def _check_backends(steps: int) -> dict:
     out: dict = {}
     params: dict = {}
     for name in BACKENDS:
-        odc_options = {"odc_bucket_size": PROMISE_BUCKET_NUMEL} if name in ("odc", "fsdp") else None
+        odc_config = (
+            ODCConfig(bucket_size=PROMISE_BUCKET_NUMEL) if name in ("odc", "fsdp") else None
+        )
         model, opt = build_backend(
-            name, build_gpt_model(cfg, seed=11), _optimizer_config(cfg), odc_options=odc_options
+            name, build_gpt_model(cfg, seed=11), _optimizer_config(cfg), odc_config=odc_config
         )
         losses, norms = [], []
         for step in range(steps):
@@ -841,7 +844,7 @@ def test_bf16_trains_on_a_fixed_batch(dp2) -> None:
     for rank, res in enumerate(dp2):
         bf16 = res["bf16"]
         assert res["bf16"]["unwrap_is_gpt"], (
-            "unwrap_model must unwrap OdcDataParallel+Float16Module"
+            "unwrap_model must unwrap ODCDataParallel+Float16Module"
         )
         assert all(bf16["success"]), (rank, bf16["success"])
         losses = bf16["losses"]
@@ -885,7 +888,7 @@ def test_fp16_trains_and_skips_an_injected_inf_on_every_rank(dp2) -> None:
 def _assert_promise(results: list[dict], world_size: int) -> None:
     counts_by_step = PROMISE_COUNTS[world_size]
     for rank, res in enumerate(results):
-        assert res["promise"]["unwrap_is_gpt"], "unwrap_model(OdcDataParallel) is not the GPTModel"
+        assert res["promise"]["unwrap_is_gpt"], "unwrap_model(ODCDataParallel) is not the GPTModel"
         shard_numel = dict(res["promise"]["layout"])
         for step, st in enumerate(res["promise"]["steps"]):
             where = f"rank {rank} step {step} ({st['num_microbatches']} microbatches)"
@@ -1018,11 +1021,11 @@ def test_fsdp_odc_ddp_distopt_agree_tp2_dp2(dp4) -> None:
 
 def test_odc_overrides_every_public_method_of_megatron_ddp(dp2) -> None:
     contract = dp2[0]["contract"]
-    assert contract["forward_ok"], "megatron-core DDP or OdcDataParallel changed forward"
+    assert contract["forward_ok"], "megatron-core DDP or ODCDataParallel changed forward"
     assert {"finish_grad_sync", "zero_grad_buffer", "state_dict", "no_sync"} <= set(
         contract["public"]
     ), contract["public"]
     assert not contract["missing"], (
-        f"OdcDataParallel inherits megatron-core DDP's {contract['missing']}"
+        f"ODCDataParallel inherits megatron-core DDP's {contract['missing']}"
     )
     assert not contract["lacking"], f"overrides lack keyword parameters: {contract['lacking']}"

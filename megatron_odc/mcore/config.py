@@ -1,0 +1,181 @@
+"""What can be asked of the data-parallel backends: the backend list, ODC's options, and every refusal.
+
+Owns, each written once:
+
+- ``BACKENDS`` (``odc``, ``fsdp``, ``ddp``, ``distopt``) and the subsets that share a property;
+- :class:`ODCConfig`, ODC's own options (one frozen dataclass whose ``__post_init__`` holds every check);
+- :data:`UNSUPPORTED` and :func:`refuse_unsupported`, the Megatron features a backend does not combine
+  with, each with its flag and reason.
+
+Imports megatron nothing: the entries (``runner/``, ``integration/``) and the adapter (``data_parallel.py``,
+``optimizer.py``) call these with what they know.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from megatron_odc.transport import TRANSPORT_CHOICES
+from megatron_odc.transport.cuda import ACCUMULATE_MODES
+
+BACKENDS = ("odc", "fsdp", "ddp", "distopt")
+"""``--dp-backend`` choices: ODC; the same engine over lockstep collectives (the ZeRO-3 baseline);
+megatron-core's ``DistributedDataParallel`` without and with its distributed optimizer."""
+
+ODC_ENGINE_BACKENDS = ("odc", "fsdp")
+"""Backends built on ``ODCDataParallel`` and ``ODCOptimizer``."""
+
+LOCKSTEP_BACKENDS = ("fsdp",)
+"""Backends whose ranks must run the same number of microbatches (every bucket operation is a
+collective)."""
+
+LOCKSTEP_TRANSPORT = "collective"
+"""The transport of the lockstep backends."""
+
+
+def _option(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ODCConfig:
+    """ODC's own options. Each field's ``metadata["help"]`` says what it means; its command-line flag
+    is ``--odc-<field>`` (a ``True`` default: ``--no-odc-<field>``), built from the field by
+    ``runner/odc_flags.py`` for both entries."""
+
+    transport: str = _option(
+        "auto",
+        "one-sided transport: shm (CPU ranks of one host), cuda (PyTorch symmetric memory, the GPUs "
+        "of one node), collective (lockstep all-gather / reduce-scatter: the fsdp baseline) or auto "
+        "(cuda for a model on a GPU, else shm)",
+        TRANSPORT_CHOICES,
+    )
+    cuda_accumulate: str = _option(
+        "atomic",
+        "cuda transport: atomic (Triton peer atomics) or deterministic (staging slots reduced in a "
+        "fixed order at the fence: bitwise reproducible, one extra shard per source)",
+        ACCUMULATE_MODES,
+    )
+    pushes_in_flight: int = _option(
+        1, "unsharded gradient buffers whose push may still run while compute goes on"
+    )
+    bucket_size: int = _option(
+        40_000_000, "bucket size in elements; a larger parameter is split across buckets"
+    )
+    alignment: int = _option(64, "element alignment of parameter starts and shards")
+    prefetch: bool = _option(
+        True, "fetch the next unit (forward) or the previous one (backward) one step early"
+    )
+    timeout_s: float = _option(
+        300.0, "seconds a fence waits for a peer before naming it and failing"
+    )
+    check_params_equal: bool = _option(
+        True, "check at construction that every DP rank holds the same weights"
+    )
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value, kind = getattr(self, field.name), type(field.default)
+            flag = f"--odc-{field.name.replace('_', '-')}"
+            choices = field.metadata["choices"]
+            if choices is not None:
+                if value not in choices:
+                    raise ValueError(f"{flag} {value!r} is not one of {', '.join(choices)}")
+            elif kind is bool:
+                if not isinstance(value, bool):
+                    raise ValueError(f"{flag} must be True or False, got {value!r}")
+            elif isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{flag} must be a number > 0, got {value!r}")
+            elif kind is int and not isinstance(value, int):
+                raise ValueError(f"{flag} must be an integer, got {value!r}")
+
+    @classmethod
+    def from_args(cls, args: Any) -> ODCConfig:
+        """The options set on ``args`` (an argparse namespace with ``odc_<field>`` attributes; ``None``
+        or a missing attribute keeps the default)."""
+        values = {}
+        for field in dataclasses.fields(cls):
+            value = getattr(args, f"odc_{field.name}", None)
+            if value is not None:
+                values[field.name] = value
+        return cls(**values)
+
+
+@dataclasses.dataclass(frozen=True)
+class Unsupported:
+    """A Megatron feature that some backends do not combine with."""
+
+    flag: str
+    """The Megatron flag that turns it on, as a user types it."""
+    backends: tuple[str, ...]
+    """The backends that refuse it."""
+    reason: str
+    """Why, and what to do instead."""
+
+
+_SHARDED = "ODC already shards parameters, gradients and optimizer state"
+
+UNSUPPORTED: Mapping[str, Unsupported] = {
+    "pipeline_model_parallel_size": Unsupported(
+        "--pipeline-model-parallel-size > 1",
+        ODC_ENGINE_BACKENDS,
+        "ODC does not support pipeline parallelism yet; use 1",
+    ),
+    "context_parallel_size": Unsupported(
+        "--context-parallel-size > 1",
+        ODC_ENGINE_BACKENDS,
+        "ODC does not support context parallelism yet; use 1",
+    ),
+    "expert_model_parallel_size": Unsupported(
+        "--expert-model-parallel-size > 1",
+        ODC_ENGINE_BACKENDS,
+        "ODC does not support expert parallelism yet; use 1",
+    ),
+    "use_distributed_optimizer": Unsupported(
+        "--use-distributed-optimizer", (*ODC_ENGINE_BACKENDS, "ddp"), _SHARDED
+    ),
+    "use_megatron_fsdp": Unsupported("--use-megatron-fsdp", BACKENDS, "pick one backend"),
+    "use_torch_fsdp2": Unsupported("--use-torch-fsdp2", BACKENDS, "pick one backend"),
+    "overlap_grad_reduce": Unsupported(
+        "--overlap-grad-reduce",
+        ODC_ENGINE_BACKENDS,
+        "ODC pushes each unit's gradients as soon as they are ready",
+    ),
+    "overlap_param_gather": Unsupported(
+        "--overlap-param-gather", ODC_ENGINE_BACKENDS, "ODC prefetches the next unit's parameters"
+    ),
+    "delay_wgrad_compute": Unsupported(
+        "--delay-wgrad-compute",
+        ODC_ENGINE_BACKENDS,
+        "gradients are pushed when a unit's backward ends",
+    ),
+    "use_precision_aware_optimizer": Unsupported(
+        "--use-precision-aware-optimizer",
+        ODC_ENGINE_BACKENDS,
+        "the ODC optimizer keeps fp32 main shards",
+    ),
+}
+"""Setting (the ``args`` / config attribute) -> what a backend refuses about it. A setting is on when
+it is ``True`` or, for the ``*_size`` ones, larger than 1."""
+
+
+def refuse_unsupported(backend: str, **settings: Any) -> None:
+    """Raise for the first setting in ``settings`` that ``backend`` does not combine with.
+
+    Args:
+        backend: one of ``BACKENDS``.
+        **settings: keys of ``UNSUPPORTED`` with the values the caller knows (flags, config fields or
+            process-group sizes); ``None`` counts as off.
+
+    Raises:
+        ValueError: naming the backend, the flag and what to do.
+    """
+    for key, value in settings.items():
+        rule = UNSUPPORTED[key]
+        on = (value or 1) > 1 if key.endswith("_size") else bool(value)
+        if on and backend in rule.backends:
+            raise ValueError(
+                f"--dp-backend {backend} does not combine with {rule.flag}: {rule.reason}"
+            )
