@@ -1,11 +1,66 @@
 """``python -m megatron_odc.train``: the plugin's own training entry (run under torchrun).
 
-The parser, trainer and checkpointing live in :mod:`megatron_odc.runner`; see the README.
+Parses and checks the flags (``runner/arguments.py``: a bad flag exits with status 2 and a message
+naming it, before anything is built), makes megatron-core run on CPU where there is no CUDA
+(``integration/cpu.py``), trains (``runner/trainer.py``) and logs a summary. See the README.
 """
 
-import sys
+from __future__ import annotations
 
-from megatron_odc.runner.trainer import main
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+import torch.distributed as dist
+
+from megatron_odc.integration.cpu import cpu_runtime
+from megatron_odc.runner.arguments import build_parser, validate_args
+from megatron_odc.runner.trainer import TrainResult, train
+
+logger = logging.getLogger("megatron_odc.train")
+
+
+def run(args: argparse.Namespace) -> TrainResult:
+    """Train for validated ``args`` on this machine (the CPU runtime where there is no CUDA)."""
+    with cpu_runtime():
+        return train(args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse and check ``argv`` (default ``sys.argv[1:]``), train, and log a summary.
+
+    Returns:
+        The exit status: 0 after training, 2 when a flag is invalid (the message, naming the flag,
+        goes to stderr before anything is trained).
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    world_size = (
+        dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    )
+    try:
+        validate_args(args, world_size=world_size)
+    except ValueError as exc:
+        sys.stderr.write(f"{parser.prog}: error: {exc}\n")
+        return 2
+    result = run(args)
+    first = result.losses[min(result.losses)] if result.losses else None
+    final = result.final_loss
+    logger.info(  # rank 0 only: other ranks log warnings only
+        "training finished | iterations %d-%d of %d | first lm loss: %s | final lm loss: %s | "
+        "tokens: %d | elapsed: %.1f s",
+        result.start_iteration,
+        result.iteration,
+        args.train_iters,
+        f"{first:.6E}" if first is not None else "n/a",
+        f"{final:.6E}" if final is not None else "n/a",
+        result.num_tokens,
+        result.elapsed_s,
+    )
+    return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

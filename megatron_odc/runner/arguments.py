@@ -1,32 +1,22 @@
 """Command-line arguments of ``python -m megatron_odc.train``: Megatron-LM's flag names plus ODC's flags.
 
 Owns :func:`build_parser` (the argparse parser: Megatron-LM's names and meanings for the flags it shares,
-defaults that give a tiny GPT that trains on two CPU cores) and :func:`validate_args` (every check that can
-fail before training starts, each raising ``ValueError`` with a message that names the offending flag).
-Imports neither torch nor megatron, so a bad command line fails in well under a second.
-
-[Note: balancing and backends]
-``--balance`` defaults to ``lb_mini`` (ODC's minibatch-level balancing: ranks may run different numbers of
-microbatches) for every backend except ``fsdp``. ``fsdp`` runs every bucket operation as a collective in
-lockstep, so every rank must run the same number of microbatches: its default is ``lb_micro`` (equal
-counts by construction), and an explicit ``--balance lb_mini|local_sort|round_robin`` with ``--dp-backend
-fsdp`` is refused, because those plans give unequal counts and the run would hang. ``ddp`` and
-``distopt`` reduce gradients once per minibatch, so they accept every plan.
+defaults that give a tiny GPT that trains on two CPU cores; ODC's own group comes from
+``odc_flags.py``) and :func:`validate_args`, every check that can fail before training starts, one
+validator per flag group, each raising ``ValueError`` with a message that names the offending flag.
+Imports neither megatron nor a model, so a bad command line fails in about a second.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import os
 
-from megatron_odc.core.fp8 import FP8_PARAM_RECIPES, transformer_engine_available
+from megatron_odc.core.fp8 import FP8_FORMATS, FP8_RECIPES, check_fp8_flags
+from megatron_odc.mcore.config import refuse_unsupported
+from megatron_odc.runner.odc_flags import add_odc_arguments, resolve_odc_args
 
-DP_BACKENDS = ("odc", "fsdp", "ddp", "distopt")
-BALANCE_KINDS = ("lb_mini", "lb_micro", "local_sort", "round_robin")
-EQUAL_COUNT_BALANCE_KINDS = ("lb_micro",)
-"""Plans that give every DP rank the same number of microbatches (what ``fsdp`` needs)."""
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 TOKENIZER_TYPES = ("ByteTokenizer", "HuggingFaceTokenizer")
 DEFAULT_LR_WARMUP_ITERS = 3
@@ -112,13 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     model.add_argument(
         "--fp8-format",
-        choices=("e4m3", "hybrid"),
+        choices=FP8_FORMATS,
         default=None,
         help="FP8 training format (needs TransformerEngine and --transformer-impl transformer_engine)",
     )
     model.add_argument(
         "--fp8-recipe",
-        choices=("delayed", "tensorwise", "mxfp8", "blockwise"),
+        choices=FP8_RECIPES,
         default="delayed",
         help="FP8 scaling recipe (delayed: amax reduced over TP only, ODC reduces it over DP)",
     )
@@ -257,46 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop (after saving, with --save) when the iteration is divisible by this value",
     )
 
-    odc = parser.add_argument_group("ODC")
-    odc.add_argument(
-        "--dp-backend",
-        choices=DP_BACKENDS,
-        default="odc",
-        help="data-parallel backend: odc, fsdp (lockstep ZeRO-3 baseline), megatron-core ddp / distopt",
-    )
-    odc.add_argument(
-        "--balance",
-        choices=BALANCE_KINDS,
-        default=None,
-        help="microbatch plan per minibatch (default lb_mini; lb_micro for fsdp, which needs equal "
-        "microbatch counts and refuses the others)",
-    )
-    odc.add_argument(
-        "--max-tokens-per-microbatch",
-        type=int,
-        default=None,
-        help="token cap of one packed microbatch (default --seq-length)",
-    )
-    odc.add_argument(
-        "--odc-transport",
-        choices=("auto", "shm", "cuda", "collective"),
-        default=None,
-        help="ODC transport: auto (default: cuda on GPUs, shm on CPU), shm (CPU ranks of one host), "
-        "cuda (symmetric memory, the GPUs of one node) or collective (lockstep)",
-    )
-    odc.add_argument(
-        "--odc-cuda-accumulate",
-        choices=("atomic", "deterministic"),
-        default="atomic",
-        help="cuda transport: Triton peer atomics, or staging slots reduced in a fixed order "
-        "(bitwise reproducible)",
-    )
-    odc.add_argument(
-        "--odc-bucket-size",
-        type=int,
-        default=None,
-        help="ODC bucket size in elements (default OdcConfig's)",
-    )
+    add_odc_arguments(parser, dp_backend_default="odc")
     return parser
 
 
@@ -358,77 +309,55 @@ def validate_args(args: argparse.Namespace, *, world_size: int) -> argparse.Name
     Raises:
         ValueError: an invalid flag or combination; the message names the flag.
     """
+    _require_positive(args)
+    _check_parallelism(args, world_size)
+    _check_precision(args)
+    _check_model(args)
+    _check_optimization(args)
+    resolve_odc_args(args)
+    _check_data(args)
+    _check_checkpointing(args)
+    return args
+
+
+_POSITIVE = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "seq_length",
+    "max_position_embeddings",
+    "vocab_size",
+    "make_vocab_size_divisible_by",
+    "global_batch_size",
+    "train_iters",
+    "lr_decay_iters",
+    "log_interval",
+    "save_interval",
+    "exit_interval",
+    "tensor_model_parallel_size",
+    "max_tokens_per_microbatch",
+    "synthetic_num_samples",
+)
+"""Integer flags that must be >= 1 when given."""
+
+
+def _require_positive(args: argparse.Namespace) -> None:
+    for name in _POSITIVE:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+
+def _check_parallelism(args: argparse.Namespace, world_size: int) -> None:
+    refuse_unsupported(
+        args.dp_backend, pipeline_model_parallel_size=args.pipeline_model_parallel_size
+    )
     if args.pipeline_model_parallel_size != 1:
-        if args.dp_backend == "odc":
-            raise ValueError(
-                f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: "
-                "--dp-backend odc does not support pipeline parallelism; use 1"
-            )
         raise ValueError(
             f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: this entry "
             "supports only 1"
         )
-    if args.fp8_param_gather and args.fp8_format is None:
-        raise ValueError("--fp8-param-gather needs --fp8-format (e4m3 or hybrid)")
-    if args.fp8_param_gather and args.fp8_recipe not in FP8_PARAM_RECIPES:
-        raise ValueError(
-            f"--fp8-param-gather with --fp8-recipe {args.fp8_recipe}: FP8 parameters are sharded "
-            f"for a per-tensor recipe only ({', '.join(FP8_PARAM_RECIPES)})"
-        )
-    if args.fp8_format is not None:
-        if not transformer_engine_available():
-            raise ValueError(
-                f"--fp8-format {args.fp8_format} needs TransformerEngine, which is not installed "
-                "(pip install transformer_engine[pytorch]); drop --fp8-format"
-            )
-        if args.transformer_impl != "transformer_engine":
-            raise ValueError("--fp8-format needs --transformer-impl transformer_engine")
-    if args.transformer_impl == "transformer_engine" and not transformer_engine_available():
-        raise ValueError(
-            "--transformer-impl transformer_engine needs TransformerEngine, which is not "
-            "installed; use --transformer-impl local"
-        )
-    if args.bf16 and args.fp16:
-        raise ValueError("--bf16 and --fp16 are mutually exclusive")
-    if not args.calculate_per_token_loss:
-        raise ValueError(
-            "--no-calculate-per-token-loss is not supported: ranks run different numbers of "
-            "microbatches, which is exact only with --calculate-per-token-loss"
-        )
-    _require_positive(
-        args,
-        (
-            "num_layers",
-            "hidden_size",
-            "ffn_hidden_size",
-            "num_attention_heads",
-            "seq_length",
-            "max_position_embeddings",
-            "vocab_size",
-            "make_vocab_size_divisible_by",
-            "global_batch_size",
-            "train_iters",
-            "lr_decay_iters",
-            "log_interval",
-            "save_interval",
-            "exit_interval",
-            "tensor_model_parallel_size",
-            "max_tokens_per_microbatch",
-            "odc_bucket_size",
-            "synthetic_num_samples",
-        ),
-    )
-    if args.micro_batch_size != 1:
-        raise ValueError(
-            f"--micro-batch-size {args.micro_batch_size}: each microbatch is one packed sequence "
-            "of several samples, so it must be 1 (use --max-tokens-per-microbatch for its size)"
-        )
-    if args.hidden_size % args.num_attention_heads:
-        raise ValueError(
-            f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
-            f"{args.num_attention_heads}"
-        )
-
     tp_size = args.tensor_model_parallel_size
     if world_size % tp_size:
         raise ValueError(
@@ -439,6 +368,11 @@ def validate_args(args: argparse.Namespace, *, world_size: int) -> argparse.Name
             f"--num-attention-heads {args.num_attention_heads} is not divisible by "
             f"--tensor-model-parallel-size {tp_size}"
         )
+    if args.vocab_size is not None and args.vocab_size % tp_size:
+        raise ValueError(
+            f"--vocab-size {args.vocab_size} is not divisible by --tensor-model-parallel-size "
+            f"{tp_size}"
+        )
     if args.sequence_parallel:
         if tp_size == 1:
             raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
@@ -448,12 +382,34 @@ def validate_args(args: argparse.Namespace, *, world_size: int) -> argparse.Name
                 "with --sequence-parallel (packed microbatches are padded to multiples of 8 and "
                 "split over the TP ranks)"
             )
-    if args.vocab_size is not None and args.vocab_size % tp_size:
+    if args.micro_batch_size != 1:
         raise ValueError(
-            f"--vocab-size {args.vocab_size} is not divisible by --tensor-model-parallel-size "
-            f"{tp_size}"
+            f"--micro-batch-size {args.micro_batch_size}: each microbatch is one packed sequence "
+            "of several samples, so it must be 1 (use --max-tokens-per-microbatch for its size)"
         )
 
+
+def _check_precision(args: argparse.Namespace) -> None:
+    if args.bf16 and args.fp16:
+        raise ValueError("--bf16 and --fp16 are mutually exclusive")
+    # The model is built with tp_only_amax_red=True: ranks run different microbatch counts.
+    check_fp8_flags(
+        transformer_impl=args.transformer_impl,
+        fp8=args.fp8_format,
+        fp8_recipe=args.fp8_recipe,
+        fp8_param=args.fp8_param_gather,
+        tp_only_amax_red=True,
+    )
+    if args.fp8_format is not None and args.transformer_impl != "transformer_engine":
+        raise ValueError("--fp8-format needs --transformer-impl transformer_engine")
+
+
+def _check_model(args: argparse.Namespace) -> None:
+    if args.hidden_size % args.num_attention_heads:
+        raise ValueError(
+            f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+            f"{args.num_attention_heads}"
+        )
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if (
@@ -464,14 +420,17 @@ def validate_args(args: argparse.Namespace, *, world_size: int) -> argparse.Name
             f"--max-position-embeddings {args.max_position_embeddings} is smaller than "
             f"--seq-length {args.seq_length}"
         )
-    if args.max_tokens_per_microbatch is None:
-        args.max_tokens_per_microbatch = args.seq_length
-    if args.max_tokens_per_microbatch > args.seq_length:
-        raise ValueError(
-            f"--max-tokens-per-microbatch {args.max_tokens_per_microbatch} exceeds --seq-length "
-            f"{args.seq_length}: a packed microbatch never grows beyond --seq-length"
-        )
+    for name in ("hidden_dropout", "attention_dropout"):
+        if not 0.0 <= getattr(args, name) < 1.0:
+            raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1)")
 
+
+def _check_optimization(args: argparse.Namespace) -> None:
+    if not args.calculate_per_token_loss:
+        raise ValueError(
+            "--no-calculate-per-token-loss is not supported: ranks run different numbers of "
+            "microbatches, which is exact only with --calculate-per-token-loss"
+        )
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     if args.lr_warmup_iters is None:
@@ -491,30 +450,16 @@ def validate_args(args: argparse.Namespace, *, world_size: int) -> argparse.Name
         raise ValueError(f"--weight-decay must be >= 0, got {args.weight_decay}")
     if args.clip_grad < 0:
         raise ValueError(f"--clip-grad must be >= 0, got {args.clip_grad}")
-    for name in ("hidden_dropout", "attention_dropout"):
-        if not 0.0 <= getattr(args, name) < 1.0:
-            raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1)")
 
-    if args.balance is None:
-        args.balance = "lb_micro" if args.dp_backend == "fsdp" else "lb_mini"
-    if args.dp_backend == "fsdp" and args.balance not in EQUAL_COUNT_BALANCE_KINDS:
-        raise ValueError(
-            f"--balance {args.balance} gives DP ranks different numbers of microbatches, which "
-            "--dp-backend fsdp (lockstep collectives) cannot run; use --balance lb_micro or "
-            "--dp-backend odc"
-        )
-    if args.odc_transport is None:
-        args.odc_transport = "collective" if args.dp_backend == "fsdp" else "auto"
-    if args.dp_backend == "fsdp" and args.odc_transport != "collective":
-        raise ValueError(
-            f"--odc-transport {args.odc_transport} does not apply to --dp-backend fsdp, which "
-            "always uses the collective transport"
-        )
-    if args.dp_backend in ("ddp", "distopt") and args.odc_bucket_size is not None:
-        raise ValueError(
-            f"--odc-bucket-size applies to --dp-backend odc/fsdp, not {args.dp_backend}"
-        )
 
+def _check_data(args: argparse.Namespace) -> None:
+    if args.max_tokens_per_microbatch is None:
+        args.max_tokens_per_microbatch = args.seq_length
+    if args.max_tokens_per_microbatch > args.seq_length:
+        raise ValueError(
+            f"--max-tokens-per-microbatch {args.max_tokens_per_microbatch} exceeds --seq-length "
+            f"{args.seq_length}: a packed microbatch never grows beyond --seq-length"
+        )
     if args.data_path is None:
         if args.sft:
             raise ValueError("--sft needs --data-path FILE.jsonl (omit both for the built-in set)")
@@ -537,13 +482,9 @@ def validate_args(args: argparse.Namespace, *, world_size: int) -> argparse.Name
     if args.tokenizer_type == "ByteTokenizer" and args.tokenizer_model is not None:
         raise ValueError("--tokenizer-model does not apply to --tokenizer-type ByteTokenizer")
 
+
+def _check_checkpointing(args: argparse.Namespace) -> None:
     if args.save_interval is not None and args.save is None:
         raise ValueError("--save-interval needs --save DIR")
     if args.finetune and args.load is None:
         raise ValueError("--finetune needs --load DIR")
-    if (args.save is not None or args.load is not None) and (
-        importlib.util.find_spec("megatron_odc.checkpoint") is None
-    ):
-        flag = "--save" if args.save is not None else "--load"
-        raise ValueError(f"{flag} needs megatron_odc.checkpoint, which is not available")
-    return args

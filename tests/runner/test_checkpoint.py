@@ -8,7 +8,7 @@ other side of each interop direction. Three spawned worlds:
   and saves, and a fresh ODC model (other seed) resumes from it: weights and optimizer state equal
   bit for bit, next losses equal; finetune loads weights only; a model of another hidden size fails
   with a ValueError naming the tensor. The same world makes Megatron-LM's own torch_dist calls on the
-  ODC overrides (``install_megatron_lm_checkpointing``, ``OdcOptimizer.sharded_state_dict`` /
+  ODC overrides (``install_megatron_lm_checkpointing``, ``ODCOptimizer.sharded_state_dict`` /
   ``load_state_dict``): exact resume, a resume from distopt's checkpoint, a weights-only load.
 - ``killed`` (2 ranks, module fixture): rank 1 dies inside the save of iteration 2.
 - ``test_interop_and_resharding`` (4 ranks): distopt -> ODC TP=2 x DP=2 (finetune, and a resume with
@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_odc.mcore.config import ODCConfig
 from tests._dist import RankFailureError, run_ranks
 from tests._megatron import SMALL_GPT
 
@@ -37,7 +38,7 @@ CFG_KW = {
     "swiglu": True,
 }
 HP = {"lr": 3e-3, "weight_decay": 0.1, "clip_grad": 1.0}
-ODC_OPTIONS = {"odc_bucket_size": 3000}  # several buckets; owned slices cut rows mid-way
+ODC_OPTIONS = ODCConfig(bucket_size=3000)  # several buckets; owned slices cut rows mid-way
 PRETRAIN_STEPS = 20  # distopt pretraining steps before the save (issue 5's acceptance)
 FINETUNE_STEPS = 10  # ODC TP=2 x DP=2 steps after the finetune load
 RESUME_STEPS = 2
@@ -72,7 +73,7 @@ def _build(backend: str, cfg, seed: int):
     model = build_gpt_model(cfg, seed=seed)
     opt_config = OptimizerConfig(optimizer="adam", params_dtype=cfg.params_dtype, **HP)
     options = ODC_OPTIONS if backend in ("odc", "fsdp") else None
-    return build_backend(backend, model, opt_config, odc_options=options)
+    return build_backend(backend, model, opt_config, odc_config=options)
 
 
 def _step(model, optimizer, cfg, step: int) -> float:
@@ -97,12 +98,12 @@ def _full_params(model) -> dict[str, torch.Tensor]:
     from megatron.core import parallel_state
     from megatron.core.utils import unwrap_model
 
-    from megatron_odc.mcore.data_parallel import OdcDataParallel
+    from megatron_odc.mcore.data_parallel import ODCDataParallel
     from tests._megatron import gather_tp_tensor
 
     gpt = unwrap_model(model)
     params = dict(gpt.named_parameters())
-    if isinstance(model, OdcDataParallel):
+    if isinstance(model, ODCDataParallel):
         model.engine.transport.fence()  # the last step's shards are visible
         local = model.engine.full_parameters()
     else:
@@ -141,15 +142,15 @@ def _stop_writer_manager() -> None:
 
 
 def _odc_optimizer_state(opt) -> list[tuple]:
-    """(name, step, main, exp_avg, exp_avg_sq) per owned piece of an OdcOptimizer (copies)."""
+    """(name, step, main, exp_avg, exp_avg_sq) per owned piece of an ODCOptimizer (copies)."""
     out = []
-    for piece, *_ in opt._pieces:
-        state = opt.optimizer.state[piece]
+    for piece in opt.pieces:
+        state = opt.optimizer.state[piece.main]
         out.append(
             (
-                piece.odc_name,
+                piece.owned.name,
                 float(state["step"]),
-                piece.detach().clone(),
+                piece.main.detach().clone(),
                 state["exp_avg"].clone(),
                 state["exp_avg_sq"].clone(),
             )
@@ -175,12 +176,14 @@ def _optimizer_checksums(model, opt) -> dict[str, torch.Tensor]:
             )
     names = sorted(n for n, _ in engine.parameters())
     sums = torch.zeros(len(names), 3, dtype=torch.float64)
-    for piece, _eng, bucket_index, lo, hi in opt._pieces:
-        start = flat_start[(bucket_index, lo)]
-        weights = torch.arange(start + 1, start + 1 + hi - lo, dtype=torch.float64)
-        state = opt.optimizer.state[piece]
-        row = names.index(piece.odc_name)
-        for col, tensor in enumerate((piece.detach(), state["exp_avg"], state["exp_avg_sq"])):
+    for piece in opt.pieces:
+        owned = piece.owned
+        start = flat_start[(owned.bucket_index, owned.shard_lo)]
+        weights = torch.arange(start + 1, start + 1 + owned.numel, dtype=torch.float64)
+        state = opt.optimizer.state[piece.main]
+        row = names.index(owned.name)
+        main = piece.main.detach()
+        for col, tensor in enumerate((main, state["exp_avg"], state["exp_avg_sq"])):
             sums[row, col] += (tensor.double() * weights).sum()
     dist.all_reduce(sums, group=parallel_state.get_data_parallel_group())
     return {n: sums[i] for i, n in enumerate(names)}
@@ -197,7 +200,7 @@ def _same_optimizer_state(a: list[tuple], b: list[tuple]) -> bool:
 
 def _check_flat_range_boxes() -> list[str]:
     """Boxes from ``flat_range_boxes`` tile exactly the flat range (an element-marking oracle)."""
-    from megatron_odc.runner.checkpoint import flat_range_boxes
+    from megatron_odc.mcore.dist_ckpt.boxes import flat_range_boxes
 
     gen = torch.Generator().manual_seed(3)
     problems = []
@@ -239,7 +242,7 @@ def _mlm_save(model, opt, directory: Path, iteration: int) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core.utils import unwrap_model
 
-    from megatron_odc.integration.megatron_lm import OdcChainedOptimizer
+    from megatron_odc.integration.megatron_lm.builders import ODCChainedOptimizer
 
     if dist.get_rank() == 0:
         directory.mkdir(parents=True)
@@ -249,7 +252,7 @@ def _mlm_save(model, opt, directory: Path, iteration: int) -> None:
         "iteration": iteration,
         "model": unwrap_model(model).sharded_state_dict(metadata=metadata),
     }
-    state["optimizer"] = OdcChainedOptimizer([opt]).sharded_state_dict(state, metadata=metadata)
+    state["optimizer"] = ODCChainedOptimizer([opt]).sharded_state_dict(state, metadata=metadata)
     dist_checkpointing.save(state, str(directory))
 
 
@@ -258,10 +261,10 @@ def _mlm_load(model, opt, directory: Path, *, load_optim: bool) -> int:
     from megatron.core import dist_checkpointing
     from megatron.core.utils import unwrap_model
 
-    from megatron_odc.integration.megatron_lm import OdcChainedOptimizer
+    from megatron_odc.integration.megatron_lm.builders import ODCChainedOptimizer
 
     metadata = _mlm_metadata()
-    chained = OdcChainedOptimizer([opt])
+    chained = ODCChainedOptimizer([opt])
     state = {"model": unwrap_model(model).sharded_state_dict(metadata=metadata)}
     if load_optim:
         state["optimizer"] = chained.sharded_state_dict(state, is_loading=True, metadata=metadata)
@@ -291,8 +294,10 @@ def _max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tup
 def _run_pretrain_and_resume(rank, world_size, root: str):
     import torch.distributed as dist
 
-    from megatron_odc.runner.checkpoint import (
+    from megatron_odc.integration.megatron_lm.checkpointing import (
         install_megatron_lm_checkpointing,
+    )
+    from megatron_odc.runner.checkpoint import (
         latest_iteration,
         load_checkpoint,
         save_checkpoint,
@@ -623,8 +628,8 @@ def _run_kill(rank, world_size, root: str):
         _step(model, opt, cfg, 1)
         original = ckpt._save_sharded
 
-        def dying_save(state, checkpoint_dir):
-            original(state, checkpoint_dir)  # every rank has written its shards...
+        def dying_save(state, checkpoint_dir, model):
+            original(state, checkpoint_dir, model)  # every rank has written its shards...
             if rank == 1:
                 _stop_writer_manager()
                 os._exit(17)  # ...but rank 1 dies before the barrier and the rename

@@ -2,10 +2,10 @@
 
 Three layers, cheapest first:
 
-- flag checks in-process (:func:`megatron_odc.arguments.validate_args`, no torch needed) and one
+- flag checks in-process (:func:`megatron_odc.runner.arguments.validate_args`, no model built) and one
   ``python -m megatron_odc.train`` subprocess that must exit with status 2 and name the flag before
   training;
-- rank bodies (``tests/_dist.py::run_ranks``) calling :func:`megatron_odc.train.train` several times in
+- rank bodies (``tests/_dist.py::run_ranks``) calling :func:`megatron_odc.train.run` several times in
   one spawned world: every backend and plan must give the same per-iteration losses as ODC with LB-Mini
   (the per-token loss makes each update the exact global mean, whatever the split), in SFT mode and in
   pretraining mode on a Megatron indexed dataset;
@@ -19,7 +19,6 @@ Three layers, cheapest first:
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import re
@@ -32,7 +31,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_odc.runner.arguments import build_parser, transformer_engine_available, validate_args
+from megatron_odc.core.fp8 import transformer_engine_available
+from megatron_odc.runner.arguments import build_parser, validate_args
 from tests._dist import run_ranks
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -217,10 +217,6 @@ def test_default_command_trains_on_two_cpu_ranks(default_run):
     assert list((workdir / "runs" / "cpu-default").glob("synthetic_sft_*.jsonl"))
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("megatron_odc.checkpoint") is None,
-    reason="megatron_odc.checkpoint is not there yet",
-)
 def test_resume_repeats_the_uninterrupted_losses(default_run, tmp_path, shm_dir):
     _, straight_stdout = default_run
     straight = _logged_losses(straight_stdout)
@@ -242,10 +238,10 @@ def test_resume_repeats_the_uninterrupted_losses(default_run, tmp_path, shm_dir)
 
 
 def _train_losses(argv: list[str]) -> dict[int, float]:
-    from megatron_odc.runner.trainer import train
+    from megatron_odc.train import run
 
     args = validate_args(build_parser().parse_args(argv), world_size=2)
-    return train(args).losses
+    return run(args).losses
 
 
 def _write_indexed_dataset(prefix: str, num_docs: int) -> None:

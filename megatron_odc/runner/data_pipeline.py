@@ -1,0 +1,256 @@
+"""The plugin's data path: each rank's packed microbatches of every minibatch, from flags to tensors.
+
+:class:`DataPipeline` owns the tokenizer, the dataset (an SFT JSONL file, the built-in synthetic SFT set,
+or Megatron indexed data through megatron-core's ``GPTDataset``), the length-balanced sampler and the
+turning of this rank's planned microbatches into batch tensors on the training device.
+
+[Note: one training iteration]
+Every DP rank computes the same plan for the minibatch (no communication) and takes its own
+microbatches; DP rank and size come from megatron's parallel state, so the TP ranks of one DP replica
+get the same microbatches. Each SFT microbatch is packed into one sequence (samples separated by a
+block-diagonal causal mask, position ids restarting per sample, padded to a multiple of 8 and never
+beyond ``--seq-length``). The loss function returns token *sums*; ``finalize_model_grads`` all-reduces
+the token count over DP and divides the gradients by it, so the update is the exact global per-token
+mean whatever the split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_odc.balance import CostModel
+from megatron_odc.data import (
+    LengthBalancedSampler,
+    MinibatchAssignment,
+    SFTDataset,
+    load_microbatch,
+    load_tokenizer,
+    make_synthetic_sft,
+    pack_microbatch,
+)
+from megatron_odc.mcore.datasets import gpt_pretraining_dataset
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CACHE_DIR = os.path.join("runs", "cpu-default")
+"""Where the built-in synthetic SFT set is written when neither --data-path nor --save is given."""
+PAD_MULTIPLE = 8
+"""Packed microbatches are padded to a multiple of this (times the TP size under sequence parallel)."""
+
+Batch = dict[str, torch.Tensor]
+"""One microbatch for the GPT forward: ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` and a
+boolean ``attention_mask`` (``[1, 1, T, T]``, True = masked out)."""
+
+
+def round_up(value: int, multiple: int) -> int:
+    """``value`` rounded up to a multiple of ``multiple``."""
+    return -(-value // multiple) * multiple
+
+
+class DataPipeline:
+    """This rank's microbatches of every minibatch, built from the validated flags.
+
+    Args:
+        args: validated flags (``runner/arguments.py``).
+        dp_rank: this rank in the DP group.
+        dp_size: ranks in the DP group.
+        device: where batches go.
+
+    Attributes:
+        tokenizer: the tokenizer (byte-level, or a local Hugging Face one).
+        vocab_size: the model's vocabulary: the tokenizer's, padded.
+        lengths: tokens of every sample of the dataset.
+        sampler: the length-balanced sampler (its state is checkpointed).
+    """
+
+    def __init__(
+        self, args: argparse.Namespace, *, dp_rank: int, dp_size: int, device: torch.device
+    ) -> None:
+        self.tokenizer = load_tokenizer(
+            "byte" if args.tokenizer_type == "ByteTokenizer" else args.tokenizer_model
+        )
+        self.vocab_size = padded_vocab_size(args, self.tokenizer.vocab_size)
+        pad_multiple = PAD_MULTIPLE
+        if args.sequence_parallel:
+            pad_multiple = math.lcm(PAD_MULTIPLE, args.tensor_model_parallel_size)
+        if args.sft:
+            self.data_path = args.data_path[0] if args.data_path else synthetic_data_path(args)
+            dataset = SFTDataset(self.data_path, self.tokenizer, max_length=args.seq_length)
+            self.lengths: Sequence[int] = dataset.lengths
+            self._build_batches = functools.partial(
+                pack_assignment,
+                dataset=dataset,
+                pad_id=self.tokenizer.pad_id,
+                seq_length=args.seq_length,
+                pad_multiple=pad_multiple,
+                device=device,
+            )
+        else:
+            self.data_path = " ".join(args.data_path)
+            dataset = gpt_pretraining_dataset(args, self.tokenizer)
+            self.lengths = [args.seq_length] * len(dataset)
+            self._build_batches = functools.partial(
+                pretraining_batches, dataset=dataset, device=device
+            )
+        if len(self.lengths) < args.global_batch_size:
+            raise ValueError(
+                f"--global-batch-size {args.global_batch_size} is larger than the dataset "
+                f"({len(self.lengths)} samples in {self.data_path})"
+            )
+        self.sampler = LengthBalancedSampler(
+            self.lengths,
+            global_batch_size=args.global_batch_size,
+            dp_size=dp_size,
+            dp_rank=dp_rank,
+            seed=args.seed,
+            plan_kind=args.balance,
+            cap_tokens=args.max_tokens_per_microbatch,
+            cost_model=CostModel.from_model_config(
+                num_layers=args.num_layers,
+                hidden_size=args.hidden_size,
+                ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
+                num_attention_heads=args.num_attention_heads,
+                vocab_size=self.vocab_size,
+                gated_mlp=args.swiglu,
+            ),
+            too_long="truncate",
+            shuffle=args.sft,  # GPTDataset shuffles its samples itself
+            drop_last=True,
+        )
+        logger.info(
+            "data (%s): %s, %d samples, %d tokens (longest %d), vocab %d (tokenizer %d)",
+            "sft" if args.sft else "pretraining",
+            self.data_path,
+            len(self.lengths),
+            sum(self.lengths),
+            max(self.lengths),
+            self.vocab_size,
+            self.tokenizer.vocab_size,
+        )
+
+    def next_minibatch(self) -> tuple[MinibatchAssignment, list[Batch]]:
+        """This rank's next minibatch and its batches (the next epoch begins when one is used up)."""
+        assignment = next(iter(self.sampler), None)
+        if assignment is None:
+            self.sampler.set_epoch(self.sampler.epoch + 1)
+            assignment = next(iter(self.sampler))
+        return assignment, self._build_batches(assignment)
+
+
+def padded_vocab_size(args: argparse.Namespace, tokenizer_vocab_size: int) -> int:
+    if args.vocab_size is not None:
+        if args.vocab_size < tokenizer_vocab_size:
+            raise ValueError(
+                f"--vocab-size {args.vocab_size} is smaller than the tokenizer's vocabulary "
+                f"({tokenizer_vocab_size} ids)"
+            )
+        return args.vocab_size
+    # Megatron-LM pads to a multiple of divisible_by * TP, so the padded size (and the checkpoint's
+    # embedding shape) changes with TP; lcm keeps it the same for every TP size dividing divisible_by.
+    multiple = math.lcm(args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
+    return round_up(tokenizer_vocab_size, multiple)
+
+
+def synthetic_data_path(args: argparse.Namespace) -> str:
+    """Writes the built-in synthetic SFT set once (local rank 0 of each node) and returns its path."""
+    cache_dir = os.path.join(args.save, "data") if args.save else DEFAULT_CACHE_DIR
+    name = f"synthetic_sft_n{args.synthetic_num_samples}_seed{args.seed}_len{args.seq_length}.jsonl"
+    path = os.path.join(cache_dir, name)
+    local_rank = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+    if local_rank == 0 and not os.path.isfile(path):
+        os.makedirs(cache_dir, exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        make_synthetic_sft(
+            tmp,
+            args.synthetic_num_samples,
+            seed=args.seed,
+            max_tokens=args.seq_length,
+            min_tokens=min(8, args.seq_length),
+        )
+        os.replace(tmp, path)
+        logger.info("wrote the synthetic SFT set %s", path)
+    dist.barrier()
+    return path
+
+
+def pack_assignment(
+    assignment: MinibatchAssignment,
+    dataset: SFTDataset,
+    *,
+    pad_id: int,
+    seq_length: int,
+    pad_multiple: int,
+    device: torch.device,
+) -> list[dict[str, torch.Tensor]]:
+    """Packs each of this rank's microbatches into one ``[1, T]`` sequence for the GPT forward.
+
+    ``T`` is the packed length rounded up to ``pad_multiple`` and never beyond ``seq_length``; an empty
+    microbatch (``lb_micro`` may plan one so that lockstep counts match) becomes ``pad_multiple`` padding
+    tokens with no loss.
+
+    Returns:
+        One dict per microbatch: ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` and the
+        block-diagonal causal ``attention_mask`` (bool ``[1, 1, T, T]``, True = masked out).
+    """
+    batches = []
+    for sample_ids in assignment.microbatches:
+        samples = load_microbatch(dataset, sample_ids, assignment.plan.lengths)
+        num_tokens = sum(len(s) for s in samples)
+        if num_tokens > seq_length:
+            raise ValueError(
+                f"microbatch {sample_ids} holds {num_tokens} tokens, more than --seq-length "
+                f"{seq_length}; lower --max-tokens-per-microbatch"
+            )
+        pad_to = min(round_up(max(num_tokens, 1), pad_multiple), seq_length)
+        packed = pack_microbatch(samples, pad_to=pad_to, pad_id=pad_id)
+        batches.append(
+            {
+                "tokens": packed.tokens.to(device),
+                "labels": packed.labels.to(device),
+                "loss_mask": packed.loss_mask.to(device),
+                "position_ids": packed.position_ids.to(device),
+                "attention_mask": packed.attention_mask().to(device),
+            }
+        )
+    return batches
+
+
+def pretraining_batches(
+    assignment: MinibatchAssignment, *, dataset: Any, device: torch.device
+) -> list[dict[str, torch.Tensor]]:
+    """One GPTDataset sample (``--seq-length`` tokens, causal mask) per microbatch.
+
+    An empty microbatch (``lb_micro`` plans one when a minibatch has fewer samples than lockstep
+    slots) runs the minibatch's first sample with no loss.
+    """
+    batches = []
+    for sample_ids in assignment.microbatches:
+        if len(sample_ids) > 1:
+            raise ValueError(
+                f"pretraining microbatch {sample_ids} holds {len(sample_ids)} samples; each "
+                "microbatch must be exactly one --seq-length sample"
+            )
+        sample = dict(dataset[sample_ids[0] if sample_ids else assignment.global_sample_ids[0]])
+        if not sample_ids:
+            sample["loss_mask"] = torch.zeros_like(sample["loss_mask"])
+        batches.append(
+            {
+                "tokens": sample["tokens"].unsqueeze(0).to(device),
+                "labels": sample["labels"].unsqueeze(0).to(device),
+                "loss_mask": sample["loss_mask"].unsqueeze(0).to(device),
+                "position_ids": sample["position_ids"].unsqueeze(0).to(device),
+                "attention_mask": sample["attention_mask"]
+                .view(1, 1, *sample["attention_mask"].shape[-2:])
+                .to(device),
+            }
+        )
+    return batches
