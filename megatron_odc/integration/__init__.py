@@ -1,20 +1,8 @@
-"""Runtime patches of third-party code, applied explicitly and never on import.
+"""Where megatron-odc meets code it does not own, at run time and only when asked.
 
-``cpu``: lets megatron-core 0.16.x run on CPU under gloo (tests, CI); see its module docstring.
+- ``cpu``: megatron-core 0.16.x on CPU under gloo (explicit, reversible patches; ``cpu_runtime``);
+- ``megatron_lm/``: ``--dp-backend odc`` in Megatron-LM's own training loop (``core_v0.16.1``);
+- ``launch``: ``python -m megatron_odc.launch SCRIPT``, a Megatron-LM script with the patches.
+
+The only layer that touches ``megatron.training``. Nothing is patched on import.
 """
-
-from megatron_odc.integration.cpu import (
-    CpuPatches,
-    DeviceRemapMode,
-    active_cpu_patches,
-    apply_cpu_patches,
-    cuda_type_names,
-)
-
-__all__ = [
-    "CpuPatches",
-    "DeviceRemapMode",
-    "active_cpu_patches",
-    "apply_cpu_patches",
-    "cuda_type_names",
-]

@@ -8,7 +8,7 @@ tensor and sequence parallelism, megatron-core's own ``DistributedDataParallel``
 distributed optimizer), ``get_megatron_optimizer`` (torch Adam fallback),
 ``forward_backward_no_pipelining`` and ``finalize_model_grads`` on CPU ranks joined by gloo.
 
-What each patch is for (shim numbers as in ``docs/megatron.md`` section 4):
+What each patch is for (the facts behind them: docs/architecture.md, section 3):
 
 1. ``torch.cuda.current_device`` -> ``"cpu"``. Used as a ``device=`` argument by the TP mappings and
    layers (``tensor_parallel.mappings`` / ``layers``: all-gather and reduce-scatter outputs), by
@@ -35,11 +35,9 @@ What each patch is for (shim numbers as in ``docs/megatron.md`` section 4):
    data.broadcast_data``, ``DistributedOptimizer`` state gathering, optimizer state reloads.
 5. ``torch.cuda.synchronize`` / ``empty_cache`` -> no-ops: ``parallel_state`` (timeouts), DDP grad-buffer
    offload, checkpoint save paths.
-6. (Scoped, not part of :func:`apply_cpu_patches`) :func:`cuda_type_names`: ``Tensor.type()`` with no
-   arguments reports ``torch.cuda.*`` names for CPU tensors, for the ``param.type() ==
-   'torch.cuda.FloatTensor'`` checks in ``FP32Optimizer`` / ``Float16OptimizerWithFloat16Params`` /
-   ``DistributedOptimizer`` construction and the ``param.grad.type()`` assert in
-   ``clip_grads.clip_grad_by_total_norm_fp32``. Wrap optimizer construction and ``optimizer.step()``.
+6. (Not a patch of this module) megatron-core's own optimizers check ``param.type()`` names: the
+   adapter scopes ``cuda_type_names`` (``mcore/cpu_optimizers.py``) around them whenever the model is
+   on CPU, whether these patches are applied or not.
 7. Sequence parallelism on the local spec: ``WrappedTorchNorm`` (the torch norm every local-spec
    LayerNorm/RMSNorm is built from when apex is absent) asserts ``not config.sequence_parallel``.
    ``megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__`` is replaced by
@@ -194,7 +192,7 @@ def check_megatron_version() -> str:
     series = ".".join(version.split(".")[:2])
     if series != SUPPORTED_MEGATRON_SERIES and os.environ.get(SKIP_VERSION_CHECK_ENV) != "1":
         raise ValueError(
-            f"megatron_odc.patches.cpu supports megatron-core {SUPPORTED_MEGATRON_SERIES}.x, found "
+            f"megatron_odc.integration.cpu supports megatron-core {SUPPORTED_MEGATRON_SERIES}.x, found "
             f"{version}: the patched names may have moved. Set {SKIP_VERSION_CHECK_ENV}=1 to try anyway."
         )
     return version
@@ -336,30 +334,21 @@ def apply_cpu_patches() -> CpuPatches:
 
 
 @contextlib.contextmanager
-def cuda_type_names() -> Iterator[None]:
-    """Within the block, ``Tensor.type()`` with no arguments reports ``torch.cuda.*`` names for CPU tensors.
+def cpu_runtime() -> Iterator[CpuPatches | None]:
+    """The CPU patches for the block on a machine without CUDA; nothing on a GPU machine.
 
-    megatron's optimizers check ``param.type() == 'torch.cuda.FloatTensor'`` (and Half / BFloat16) at
-    construction and ``clip_grad_by_total_norm_fp32`` asserts it on grads at each step: wrap
-    ``get_megatron_optimizer(...)`` and ``optimizer.step()``. ``Tensor.type(dtype)`` conversions are
-    unchanged. Nestable; the previous ``Tensor.type`` is restored on exit.
+    Patches someone else applied stay applied (and are yielded); patches applied here are reverted on
+    exit. The entry points (``python -m megatron_odc.train``) run training inside it.
     """
-    before = torch.Tensor.__dict__.get("type", _MISSING)
-    original_type = torch.Tensor.type
-
-    def type_with_cuda_names(self, *args, **kwargs):
-        if not args and not kwargs:
-            name = original_type(self)
-            if self.device.type == "cpu" and name.startswith("torch.") and "cuda" not in name:
-                return "torch.cuda." + name[len("torch.") :]
-            return name
-        return original_type(self, *args, **kwargs)
-
-    torch.Tensor.type = type_with_cuda_names
+    if torch.cuda.is_available():
+        yield None
+        return
+    active = active_cpu_patches()
+    if active is not None and active.active:
+        yield active
+        return
+    handle = apply_cpu_patches()
     try:
-        yield
+        yield handle
     finally:
-        if before is _MISSING:
-            del torch.Tensor.type
-        else:
-            torch.Tensor.type = before
+        handle.revert()

@@ -10,7 +10,7 @@ Megatron-LM root (``$MEGATRON_LM_PATH``, else the script's directory) is appende
 ``megatron`` is a namespace package, so ``megatron.core`` still comes from the installed megatron-core
 (the version the guard checks, with its prebuilt dataset helpers) while ``megatron.training``,
 ``megatron.legacy`` and the script's own modules (``gpt_builders``, ``model_provider``) come from the
-checkout. Then :func:`megatron_odc.patches.megatron_lm.apply_megatron_lm_patches` is applied (with the
+checkout. Then :func:`megatron_odc.integration.megatron_lm.apply_megatron_lm_patches` is applied (with the
 CPU patches when CUDA is absent), and the script runs as ``__main__`` through ``runpy`` with
 ``sys.argv = [SCRIPT, *args]``. The patches are reverted when the script returns.
 """

@@ -1,4 +1,4 @@
-"""The megatron-core CPU runtime (megatron_odc.patches.cpu) and the GPT builder, checked against oracles.
+"""The megatron-core CPU runtime (megatron_odc.integration.cpu) and the GPT builder, checked against oracles.
 
 Layers, cheapest first: in-process checks that apply/revert restores every attribute by identity, the
 mode stack, the version check and the scoped ``cuda_type_names``; then spawned gloo worlds: TP=2 x DP=2
@@ -159,7 +159,7 @@ def test_version_check_refuses_other_megatron_versions(monkeypatch):
 
 
 def test_cuda_type_names_is_scoped_and_nests():
-    from megatron_odc.integration.cpu import cuda_type_names
+    from megatron_odc.mcore.cpu_optimizers import cuda_type_names
 
     t = torch.ones(2)
     assert t.type() == "torch.FloatTensor"

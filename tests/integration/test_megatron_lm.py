@@ -1,10 +1,10 @@
-"""The Megatron-LM patch layer (``megatron_odc.patches.megatron_lm``) and the launcher.
+"""The Megatron-LM patch layer (``megatron_odc.integration.megatron_lm``) and the launcher.
 
 ``megatron.training`` is not on PyPI, so the patch layer is exercised against a hand-written fake of the
 patched names (module layout and signatures copied from Megatron-LM ``core_v0.16.1``), written to a
 tmp dir and put on ``sys.path`` inside spawned ranks; megatron-core is the real installed 0.16.1. One
 2-rank world checks: flags composed with the caller's provider and post-processed, refusals naming the
-flag, ``get_model`` building ``OdcDataParallel`` and restoring ``DDP``, the optimizer factory, the
+flag, ``get_model`` building ``ODCDataParallel`` and restoring ``DDP``, the optimizer factory, the
 planned-count schedule (uneven and zero counts give the same step as another split of the same samples),
 the TP broadcast of the count, the balanced loader through the patched factory, version refusal, and
 ``revert``, and the checkpoint overrides the factories install. The symbols that live in megatron-core are checked against the installed package here.
@@ -244,7 +244,7 @@ def _check_flags(arguments, initialize) -> dict:
     refusals["torch_dist_accepted"] = _error_of(lambda: arguments.parse_args())
     # FP8 parameters: refused where ODC cannot run them, accepted (past Megatron-LM's
     # distributed-optimizer assertion, the flag intact afterwards) where it can.
-    from megatron_odc.core import fp8 as fp8_module
+    from megatron_odc.core.fp8 import recipes as fp8_module
 
     te = ["--transformer-impl", "transformer_engine"]
     fp8 = ["--fp8-format", "hybrid", "--fp8-param-gather"]
@@ -361,7 +361,9 @@ def _run_fake_training(rank: int, world_size: int, fake_root: str) -> dict:
     from megatron.core.distributed import DistributedDataParallel
 
     from megatron_odc.integration import megatron_lm
-    from megatron_odc.mcore.data_parallel import OdcConfig, OdcDataParallel
+    from megatron_odc.integration.cpu import SKIP_VERSION_CHECK_ENV
+    from megatron_odc.integration.megatron_lm.schedule import PlannedCountSchedule
+    from megatron_odc.mcore.data_parallel import ODCDataParallel
     from megatron_odc.mcore.model import GPTConfig
     from tests._megatron import init_megatron, make_batch, teardown_megatron
 
@@ -381,11 +383,11 @@ def _run_fake_training(rank: int, world_size: int, fake_root: str) -> dict:
     package_info.__version__ = "0.15.0"
     try:
         out["refuse_version"] = _error_of(megatron_lm.apply_megatron_lm_patches)
-        os.environ[megatron_lm.SKIP_VERSION_CHECK_ENV] = "1"
+        os.environ[SKIP_VERSION_CHECK_ENV] = "1"
         megatron_lm.apply_megatron_lm_patches().revert()
         out["skip_env_ok"] = True
     finally:
-        os.environ.pop(megatron_lm.SKIP_VERSION_CHECK_ENV, None)
+        os.environ.pop(SKIP_VERSION_CHECK_ENV, None)
         package_info.__version__ = real_version
     training.get_forward_backward_func = lambda pp_size=None: None
     out["refuse_signature"] = _error_of(megatron_lm.apply_megatron_lm_patches)
@@ -404,10 +406,10 @@ def _run_fake_training(rank: int, world_size: int, fake_root: str) -> dict:
         # get_model: ODC while it runs, DDP back afterwards; stock DDP without --dp-backend.
         _parse(initialize, [*BASE_ARGV, "--dp-backend", "odc", "--odc-bucket-size", "3000"])
         model = _build(training, cfg, seed=11)
-        out["odc_wrapped"] = isinstance(model[0], OdcDataParallel)
+        out["odc_wrapped"] = isinstance(model[0], ODCDataParallel)
         out["odc_config"] = (
-            isinstance(model[0].ddp_config, OdcConfig),
-            model[0].ddp_config.odc_bucket_size,
+            type(model[0].ddp_config).__name__,
+            model[0].odc_config.bucket_size,
         )
         out["ddp_restored"] = training.DDP is DistributedDataParallel
         model[0].close()
@@ -457,7 +459,7 @@ def _run_fake_training(rank: int, world_size: int, fake_root: str) -> dict:
     # The count is broadcast over TP from the rank that has data (TP=2: both ranks).
     init_megatron(2, seed=7)
     try:
-        schedule = megatron_lm.PlannedCountSchedule(inner=None)
+        schedule = PlannedCountSchedule(inner=None)
         source = (
             _PlanIterable([5], []) if parallel_state.get_tensor_model_parallel_rank() == 0 else None
         )
@@ -498,7 +500,7 @@ def test_core_symbols_match_the_expected_signatures() -> None:
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
     from megatron.core.rerun_state_machine import RerunDataIterator
 
-    from megatron_odc.integration.megatron_lm import EXPECTED_SIGNATURES
+    from megatron_odc.integration.megatron_lm.version import EXPECTED_SIGNATURES
 
     def names(fn) -> tuple[str, ...]:
         return tuple(inspect.signature(fn).parameters)
@@ -574,7 +576,7 @@ def test_fp8_param_gather_passes_validation_only_for_the_odc_engine(fake_results
 def test_get_model_swaps_ddp_only_while_it_runs(fake_results) -> None:
     for res in fake_results:
         assert res["odc_wrapped"]
-        assert res["odc_config"] == (True, 3000)
+        assert res["odc_config"] == ("DistributedDataParallelConfig", 3000)
         assert res["ddp_restored"]
         assert res["stock_type"] == "DistributedDataParallel"
 
@@ -584,11 +586,11 @@ def test_optimizer_factory_returns_chained_odc_optimizer(fake_results) -> None:
 
     mro, inner = fake_results[0]["a"]["optimizer"]
     assert ChainedOptimizer in mro
-    assert inner == "OdcOptimizer"
+    assert inner == "ODCOptimizer"
     assert fake_results[0]["a"]["num_chained"] == 1
     for res in fake_results:
         # get_model installs the module's override; the optimizer factory binds the optimizer.
-        assert res["a"]["checkpoint_overrides"] == ["_OdcModuleShardedStateDict", None, True, True]
+        assert res["a"]["checkpoint_overrides"] == ["_ODCModuleShardedStateDict", None, True, True]
 
 
 def test_planned_counts_including_zero_give_the_same_step(fake_results) -> None:
@@ -639,7 +641,7 @@ def test_version_refusal_and_revert(fake_results) -> None:
 
 
 def test_balanced_loader_partitions_every_global_batch() -> None:
-    from megatron_odc.integration.megatron_lm import BalancedPretrainingLoader
+    from megatron_odc.integration.megatron_lm.data import BalancedPretrainingLoader
 
     dataset = [{"i": torch.tensor(i)} for i in range(24)]
     per_step: dict[int, list[int]] = {}
@@ -747,7 +749,7 @@ def test_pretrain_gpt_save_and_resume_odc(tmp_path) -> None:
 _REAL_VALIDATE = """
 import json, os, shlex, sys
 sys.path.append(os.environ["MEGATRON_LM_PATH"])
-from megatron_odc.core import fp8
+from megatron_odc.core.fp8 import recipes as fp8
 from megatron_odc.integration.megatron_lm import apply_megatron_lm_patches
 fp8.require_transformer_engine = lambda feature: None  # flags only: no TE layer is built here
 apply_megatron_lm_patches(cpu=True)

@@ -1,0 +1,23 @@
+"""``--dp-backend odc`` inside Megatron-LM's own training loop (``core_v0.16.1``), without editing it.
+
+Split by job:
+
+- ``patching``: :func:`apply_megatron_lm_patches` and the handle that reverts them (the list of patched
+  names is in its docstring);
+- ``version``: the Megatron-LM the patches are written for, checked before patching;
+- ``flags``: ODC's flags in Megatron-LM's parser and what ``--dp-backend`` sets or refuses;
+- ``builders``: the ``ODCDataParallel`` wrapper and the ODC optimizer where Megatron-LM builds its own;
+- ``schedule``: each DP replica's planned microbatch count, including 0;
+- ``data``: the length-balanced loader of the train split;
+- ``checkpointing``: Megatron-LM's ``save_checkpoint`` / ``load_checkpoint`` of ODC chunks;
+- ``cpu_shims``: the Megatron-LM-only CPU stand-ins.
+
+``python -m megatron_odc.launch`` (``integration/launch.py``) applies the patches and runs a script.
+"""
+
+from megatron_odc.integration.megatron_lm.patching import (
+    MegatronLmPatches,
+    apply_megatron_lm_patches,
+)
+
+__all__ = ["MegatronLmPatches", "apply_megatron_lm_patches"]

@@ -1,0 +1,72 @@
+"""Megatron-LM's own torch_dist ``save_checkpoint`` / ``load_checkpoint`` for ODC chunks.
+
+Megatron-LM saves ``unwrap_model(model).sharded_state_dict(metadata=...)`` and
+``optimizer.sharded_state_dict(...)``; it loads into the same and then calls
+``model.load_state_dict(loaded["model"])`` and ``optimizer.load_state_dict(loaded["optimizer"])``.
+:func:`install_megatron_lm_checkpointing` sets two instance attributes so that these calls reach
+ODC's builders (``mcore/dist_ckpt/model_state.py``): the unwrapped module's ``sharded_state_dict``
+(owned-slice boxes) and the chunk's ``load_state_dict``. ``ODCOptimizer`` has its own
+``sharded_state_dict`` / ``load_state_dict``. The on-disk layout is Megatron-LM's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from megatron.core.utils import unwrap_model
+
+from megatron_odc.mcore.data_parallel import ODCDataParallel
+from megatron_odc.mcore.dist_ckpt.model_state import (
+    load_odc_model_state_dict,
+    odc_model_sharded_state_dict,
+)
+from megatron_odc.mcore.optimizer import ODCOptimizer
+
+
+class _ODCModuleShardedStateDict:
+    """The unwrapped module's ``sharded_state_dict`` under ODC: the chunk's owned-slice boxes."""
+
+    def __init__(self, model: ODCDataParallel) -> None:
+        self.model = model
+
+    def __call__(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict[str, Any]:
+        if prefix or sharded_offsets:
+            raise ValueError(
+                f"the ODC module's sharded_state_dict takes no prefix ({prefix!r}) or sharded "
+                f"offsets ({sharded_offsets!r}): pipeline and virtual pipeline stages are unsupported"
+            )
+        return odc_model_sharded_state_dict(self.model, for_load=False, metadata=metadata).sharded
+
+
+class _ODCLoadStateDict:
+    """The ``ODCDataParallel`` chunk's ``load_state_dict`` for dist-checkpoint state dicts.
+
+    A weights-only load (``--finetune``, ``--no-load-optim``) then refreshes the optimizer's main
+    shards from the loaded weights; a later optimizer load overwrites them.
+    """
+
+    def __init__(self, model: ODCDataParallel, optimizer: ODCOptimizer | None) -> None:
+        self.model = model
+        self.optimizer = optimizer
+
+    def __call__(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
+        load_odc_model_state_dict(self.model, state_dict)
+        if self.optimizer is not None:
+            self.optimizer.reload_model_params()
+        return torch.nn.modules.module._IncompatibleKeys([], [])
+
+
+def install_megatron_lm_checkpointing(
+    model: ODCDataParallel, optimizer: ODCOptimizer | None = None
+) -> None:
+    """Route Megatron-LM's checkpoint calls on ``model`` through ODC's (see the module docstring).
+
+    Calling it again (e.g. once the optimizer exists) replaces both attributes.
+    """
+    if not isinstance(model, ODCDataParallel):
+        raise ValueError(f"expected an ODCDataParallel chunk, got {type(model).__name__}")
+    unwrap_model(model).sharded_state_dict = _ODCModuleShardedStateDict(model)
+    model.load_state_dict = _ODCLoadStateDict(model, optimizer)

@@ -1,0 +1,65 @@
+"""The Megatron-LM-only CPU shims (beyond megatron-core's CPU runtime in ``integration/cpu.py``).
+
+Megatron-LM's training loop asks CUDA for devices, streams, capabilities and fused-kernel setup that
+megatron-core itself does not: :func:`cpu_shims` lists the attributes to replace with CPU stand-ins,
+which :func:`~megatron_odc.integration.megatron_lm.patching.apply_megatron_lm_patches` applies with
+``cpu=True`` (``torch.cuda.is_available`` -> True, ``device_count`` -> 1, streams and ``set_device``
+no-ops, fused-kernel loading and JIT fusion setup skipped).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+
+class _CpuStream:
+    """Stand-in for ``torch.cuda.Stream`` on CPU: every method is a no-op."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, *args: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def __enter__(self) -> _CpuStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+@dataclasses.dataclass
+class _CpuDeviceProperties:
+    name: str = "cpu"
+    major: int = 9
+    minor: int = 0
+    total_memory: int = 0
+    multi_processor_count: int = 1
+
+
+def _noop(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def cpu_shims(initialize: Any, training: Any) -> list[tuple[Any, str, Any]]:
+    """``(owner, attribute, replacement)`` of every Megatron-LM CPU shim."""
+    cuda = torch.cuda
+    return [
+        (cuda, "is_available", lambda: True),
+        (cuda, "device_count", lambda: 1),
+        (cuda, "set_device", _noop),
+        (cuda, "get_device_properties", lambda *a, **k: _CpuDeviceProperties()),
+        (cuda, "get_device_capability", lambda *a, **k: (9, 0)),
+        (cuda, "Stream", _CpuStream),
+        (cuda, "stream", lambda *a, **k: _CpuStream()),
+        (cuda, "current_stream", lambda *a, **k: _CpuStream()),
+        (initialize, "set_jit_fusion_options", _noop),
+        (training, "set_jit_fusion_options", _noop),
+        (initialize, "_compile_dependencies", _noop),
+    ]

@@ -1,0 +1,152 @@
+"""ODC's flags in Megatron-LM's parser, and what ``--dp-backend`` sets or refuses there.
+
+:func:`add_odc_args` is an ``extra_args_provider`` (ODC's flag group, shared with the plugin entry:
+``runner/odc_flags.py``); :func:`postprocess_odc_args` runs right after Megatron-LM parses, before its
+``validate_args``: for ``odc`` / ``fsdp`` it turns on per-token loss and TP-only amax reduction, keeps
+Megatron-LM's own distributed optimizer and overlap options off, resolves ``--balance`` for Megatron-LM's
+fixed ``[micro_batch_size, seq_length]`` microbatches and refuses what does not combine; for ``ddp`` /
+``distopt`` it sets Megatron-LM's own flags. :func:`wrap_parse_args` / :func:`wrap_validate_args` are
+the two patches that apply them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+from collections.abc import Callable
+
+import torch
+
+from megatron_odc.balance.plan import PLAN_KINDS
+from megatron_odc.core.fp8 import check_fp8_flags
+from megatron_odc.mcore.config import ODC_ENGINE_BACKENDS, refuse_unsupported
+from megatron_odc.runner.odc_flags import MEGATRON_SAMPLER, add_odc_arguments, resolve_odc_args
+
+logger = logging.getLogger(__name__)
+
+BALANCE_CHOICES = (*PLAN_KINDS, MEGATRON_SAMPLER)
+"""``--balance`` here: a plan kind, or ``none`` to keep Megatron-LM's own sampler."""
+
+
+def add_odc_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ODC's flags to Megatron-LM's parser (an ``extra_args_provider``); returns the parser.
+
+    ``--dp-backend`` has no default here: without it Megatron-LM chooses from its own flags.
+    """
+    add_odc_arguments(parser, dp_backend_default=None, balance_choices=BALANCE_CHOICES)
+    return parser
+
+
+def postprocess_odc_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Apply ``--dp-backend`` to Megatron-LM's parsed args (before ``validate_args``).
+
+    Raises:
+        ValueError: a flag that does not combine with the chosen backend, named.
+    """
+    backend = getattr(args, "dp_backend", None)
+    if backend is None:
+        return args
+    refuse_unsupported(
+        backend,
+        pipeline_model_parallel_size=getattr(args, "pipeline_model_parallel_size", 1),
+        use_megatron_fsdp=getattr(args, "use_megatron_fsdp", False),
+        use_torch_fsdp2=getattr(args, "use_torch_fsdp2", False),
+        use_distributed_optimizer=backend != "distopt"
+        and getattr(args, "use_distributed_optimizer", False),
+        overlap_grad_reduce=getattr(args, "overlap_grad_reduce", False),
+        overlap_param_gather=getattr(args, "overlap_param_gather", False),
+    )
+    if backend not in ODC_ENGINE_BACKENDS:
+        resolve_odc_args(args)  # refuses --odc-* options
+        args.use_distributed_optimizer = backend == "distopt"
+        return args
+    ckpt_format = getattr(args, "ckpt_format", "torch_dist")
+    for attr in ("save", "load", "pretrained_checkpoint"):
+        if getattr(args, attr, None) and ckpt_format != "torch_dist":
+            flag = "--" + attr.replace("_", "-")
+            raise ValueError(
+                f"{flag} with --dp-backend {backend} needs --ckpt-format torch_dist "
+                f"(got {ckpt_format}): ODC saves each DP rank's owned slices"
+            )
+    simple = args.micro_batch_size == 1 and args.dataloader_type in (None, "single")
+    if args.balance is None and not simple:
+        args.balance = MEGATRON_SAMPLER
+    resolve_odc_args(args)
+    if args.balance != MEGATRON_SAMPLER:
+        if args.micro_batch_size != 1:
+            raise ValueError(
+                f"--balance {args.balance} with --dp-backend {backend} needs --micro-batch-size 1 "
+                f"(got {args.micro_batch_size}); pass --balance none to keep Megatron-LM's sampler"
+            )
+        if args.dataloader_type not in (None, "single"):
+            raise ValueError(
+                f"--balance {args.balance} needs --dataloader-type single "
+                f"(got {args.dataloader_type})"
+            )
+        cap = args.seq_length * args.micro_batch_size
+        if args.max_tokens_per_microbatch not in (None, cap):
+            raise ValueError(
+                f"--max-tokens-per-microbatch {args.max_tokens_per_microbatch}: Megatron-LM's "
+                f"microbatches are [micro_batch_size, seq_length], so it must be {cap}"
+            )
+    args.calculate_per_token_loss = True
+    args.tp_only_amax_red = True
+    # Megatron-LM stores --fp8-format as args.fp8; TE layers are its default --transformer-impl.
+    # Unlike the plugin entry, FP8 compute with --transformer-impl local is left to Megatron-LM.
+    check_fp8_flags(
+        transformer_impl=getattr(args, "transformer_impl", "transformer_engine"),
+        fp8=getattr(args, "fp8", None),
+        fp8_recipe=getattr(args, "fp8_recipe", "delayed"),
+        fp8_param=bool(getattr(args, "fp8_param_gather", False)),
+        tp_only_amax_red=args.tp_only_amax_red,
+    )
+    args.use_distributed_optimizer = False
+    args.overlap_grad_reduce = False
+    args.overlap_param_gather = False
+    return args
+
+
+def wrap_parse_args(original: Callable) -> Callable:
+    """``parse_args`` with ODC's flags added and :func:`postprocess_odc_args` applied."""
+
+    @functools.wraps(original)
+    def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+        def provider(parser):
+            if extra_args_provider is not None:
+                parser = extra_args_provider(parser)
+            return add_odc_args(parser)
+
+        return postprocess_odc_args(original(provider, ignore_unknown_args))
+
+    parse_args.__megatron_odc_original__ = original
+    return parse_args
+
+
+def wrap_validate_args(original: Callable) -> Callable:
+    """``validate_args`` that lets ``--fp8-param-gather`` through for the ODC engine's backends.
+
+    ``core_v0.16.1`` asserts the flag needs its distributed optimizer (the only optimizer of its own
+    that re-quantises FP8 parameters from sharded masters) unless grad mode is off, its escape for
+    inference. ``ODCOptimizer`` does that re-quantisation for ODC, so for ``--dp-backend odc`` /
+    ``fsdp`` with the flag set, validation runs under ``torch.no_grad()``: the assertion is the only
+    place ``validate_args`` reads grad mode, and the flag itself is never touched (Megatron-LM prints it
+    and ``core_transformer_config_from_args`` turns it into ``fp8_param``).
+    """
+
+    @functools.wraps(original)
+    def validate_args(args, defaults={}):  # noqa: B006 - Megatron-LM's own signature and default
+        backend = getattr(args, "dp_backend", None)
+        if backend not in ODC_ENGINE_BACKENDS or not getattr(args, "fp8_param_gather", False):
+            return original(args, defaults)
+        with torch.no_grad():
+            result = original(args, defaults)
+        logger.info(
+            "--fp8-param-gather with --dp-backend %s: ODC shards, fetches and re-quantises the FP8 "
+            "parameters (Megatron-LM's distributed-optimizer requirement does not apply)",
+            backend,
+        )
+        return result
+
+    validate_args.__megatron_odc_original__ = original
+    return validate_args

@@ -1,0 +1,106 @@
+"""The forward-backward schedule of ODC chunks: this rank's planned number of microbatches.
+
+Megatron-LM calls the schedule with one ``num_microbatches`` for every rank; under ODC each DP replica
+runs its own count from the length-balanced plan (``data.py``), including 0, for which only the
+gradients are finalized (the rank joins the DP fence) and a zero loss report is returned.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from megatron.core import parallel_state
+
+from megatron_odc.mcore.data_parallel import ODCDataParallel
+from megatron_odc.mcore.step import finalize_without_microbatches
+
+DEFAULT_LOSS_KEYS = ("lm loss",)
+"""Keys of the zero report of a rank without microbatches, until a schedule has reported its own."""
+
+
+def _count_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class PlannedCountSchedule:
+    """Wraps a megatron-core forward-backward function to run this rank's planned microbatch count.
+
+    Applies to training calls (``forward_only=False``) on ``ODCDataParallel`` chunks; anything else is
+    passed through. The count comes from ``data_iterator.iterable.next_num_microbatches()`` (or the
+    iterator's own method) when offered, else the caller's ``num_microbatches``; with TP > 1 it is
+    broadcast from the TP source rank (the only one with data). During a rerun replay the last count
+    is reused.
+
+    Args:
+        inner: the schedule from megatron-core's ``get_forward_backward_func``.
+    """
+
+    def __init__(self, inner: Callable) -> None:
+        self.inner = inner
+        self.loss_keys: tuple[str, ...] = DEFAULT_LOSS_KEYS
+        self.last_num_microbatches: int | None = None
+
+    def planned_count(self, data_iterator: Any, default: int) -> int:
+        """This rank's microbatch count for the next step (a collective over TP when TP > 1)."""
+        if getattr(data_iterator, "replaying", False) and self.last_num_microbatches is not None:
+            return self.last_num_microbatches
+        source = data_iterator
+        if source is not None and not hasattr(source, "next_num_microbatches"):
+            source = getattr(source, "iterable", None)
+        count = default
+        if source is not None and hasattr(source, "next_num_microbatches"):
+            count = int(source.next_num_microbatches())
+        if (
+            parallel_state.model_parallel_is_initialized()
+            and parallel_state.get_tensor_model_parallel_world_size() > 1
+        ):
+            buf = torch.tensor([count], dtype=torch.int64, device=_count_device())
+            torch.distributed.broadcast(
+                buf,
+                parallel_state.get_tensor_model_parallel_src_rank(),
+                group=parallel_state.get_tensor_model_parallel_group(),
+            )
+            count = int(buf.item())
+        self.last_num_microbatches = count
+        return count
+
+    def __call__(self, *, forward_step_func, data_iterator, model, num_microbatches, **kwargs):
+        chunks = model if isinstance(model, list) else [model]
+        if kwargs.get("forward_only", False) or not all(
+            isinstance(c, ODCDataParallel) for c in chunks
+        ):
+            return self.inner(
+                forward_step_func=forward_step_func,
+                data_iterator=data_iterator,
+                model=model,
+                num_microbatches=num_microbatches,
+                **kwargs,
+            )
+        count = self.planned_count(data_iterator, num_microbatches)
+        if count > 0:
+            losses = self.inner(
+                forward_step_func=forward_step_func,
+                data_iterator=data_iterator,
+                model=model,
+                num_microbatches=count,
+                **kwargs,
+            )
+            if losses and isinstance(losses[0], dict):
+                self.loss_keys = tuple(losses[0])
+            return losses
+        finalize_without_microbatches(chunks)
+        return [{key: torch.zeros(2, device=_count_device()) for key in self.loss_keys}]
+
+
+def wrap_get_forward_backward_func(original: Callable) -> Callable:
+    """``get_forward_backward_func`` whose schedule is a :class:`PlannedCountSchedule`."""
+
+    @functools.wraps(original)
+    def get_forward_backward_func(*args, **kwargs):
+        return PlannedCountSchedule(original(*args, **kwargs))
+
+    get_forward_backward_func.__megatron_odc_original__ = original
+    return get_forward_backward_func
