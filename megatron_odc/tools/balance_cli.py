@@ -1,9 +1,12 @@
-"""Offline planner: ``python -m megatron_odc.balance``, the predicted bubble rates of every plan kind.
+"""Offline planner: ``python -m megatron_odc.balance``, predicted bubble rates of every plan kind.
 
-Owns the command line only: it draws minibatches from a length profile (or a lengths file) after a seeded
-shuffle, plans each with every kind of :data:`~megatron_odc.balance.plan.PLAN_KINDS`, and writes a table (or
-``--json``) of the bubble rate each (schedule, plan) pair would have under the cost model, as in the ODC
-paper's Table 6. See ``docs/balancing.md``. Example::
+Owns the command line (:func:`build_parser`, :func:`main`) and the comparison it prints
+(:func:`compare_plans`, :func:`format_table`): it draws minibatches from a length profile (or a
+lengths file) after a seeded shuffle, plans each with every kind of
+:data:`~megatron_odc.balance.plan.PLAN_KINDS` (and the reference LB-Micro of
+:mod:`megatron_odc.tools.reference`), and writes a table (or ``--json``) of the bubble rate each
+(schedule, plan) pair would have under the cost model, as in the ODC paper's Table 6. See
+``docs/balancing.md``. Example::
 
     python -m megatron_odc.balance --profile longalign --dp 8 --minibatch 4 --cap 65536 --model 1.5b
 """
@@ -18,51 +21,13 @@ import sys
 from collections.abc import Sequence
 
 from megatron_odc.balance.cost import CostModel
-from megatron_odc.balance.partition import karmarkar_karp, part_costs
 from megatron_odc.balance.plan import PLAN_KINDS, TOO_LONG_POLICIES, Plan, make_plan
-from megatron_odc.balance.profiles import (
-    load_lengths_file,
-    load_profile_lengths,
-    minibatch_sample_ids,
-)
+from megatron_odc.balance.profiles import minibatch_sample_ids
+from megatron_odc.tools.cli_args import draw_options, explicit_cost_model, lengths_from_args
+from megatron_odc.tools.presets import MODEL_PRESETS, preset_cost_model
+from megatron_odc.tools.reference import reference_lb_micro
 
-__all__ = ["MODEL_PRESETS", "build_parser", "main", "reference_lb_micro", "simulate"]
-
-# DeepSeek-R1-Distill-Qwen sizes (Qwen2 architecture: gated MLP, GQA), as used in the ODC paper.
-MODEL_PRESETS: dict[str, dict[str, int]] = {
-    "1.5b": {
-        "num_layers": 28,
-        "hidden_size": 1536,
-        "ffn_hidden_size": 8960,
-        "num_attention_heads": 12,
-        "num_query_groups": 2,
-        "vocab_size": 151936,
-    },
-    "7b": {
-        "num_layers": 28,
-        "hidden_size": 3584,
-        "ffn_hidden_size": 18944,
-        "num_attention_heads": 28,
-        "num_query_groups": 4,
-        "vocab_size": 152064,
-    },
-    "14b": {
-        "num_layers": 48,
-        "hidden_size": 5120,
-        "ffn_hidden_size": 13824,
-        "num_attention_heads": 40,
-        "num_query_groups": 8,
-        "vocab_size": 152064,
-    },
-    "32b": {
-        "num_layers": 64,
-        "hidden_size": 5120,
-        "ffn_hidden_size": 27648,
-        "num_attention_heads": 40,
-        "num_query_groups": 8,
-        "vocab_size": 152064,
-    },
-}
+__all__ = ["ROWS", "build_parser", "compare_plans", "format_table", "main"]
 
 # (schedule, plan kind) rows of the report. "collective" = lockstep bubble, "odc" = ODC bubble.
 # "lb_micro_ref" is the sail-sg/odc code's equal-count LB-Micro (see reference_lb_micro).
@@ -78,48 +43,6 @@ ROWS = (
     ("collective", "lb_mini"),
     ("odc", "lb_mini"),
 )
-
-
-def reference_lb_micro(plan: Plan) -> Plan | None:
-    """Re-plans ``plan``'s samples the way sail-sg/odc's ``DynamicSameMicro`` packing does (for comparison).
-
-    KK with equal sample counts splits the minibatch over the ranks; every rank then splits its share with KK
-    into k microbatches, where k starts at the max over ranks of ceil(tokens / cap) and grows until every
-    rank's split is under the cap; microbatches are ordered heaviest first. It balances at rank level first,
-    so it is a weaker baseline than ``lb_micro`` (which balances microbatches over the whole minibatch).
-
-    Returns:
-        A plan of kind ``lb_micro`` over the same samples and planned lengths, or ``None`` when a sample is
-        longer than the cap.
-    """
-    ids = sorted(plan.lengths)
-    lengths = [plan.lengths[s] for s in ids]
-    cap = plan.cap_tokens
-    if cap is not None and any(length > cap for length in lengths):
-        return None
-    costs = plan.cost_model.costs(lengths)
-    shares = karmarkar_karp(costs, plan.dp_size, equal_count=True)
-    k = 1
-    if cap is not None:
-        k = max(1, *(math.ceil(sum(lengths[i] for i in share) / cap) for share in shares))
-    while True:
-        splits = []
-        for share in shares:
-            parts = karmarkar_karp([costs[i] for i in share], k)
-            splits.append([[share[j] for j in part] for part in parts])
-        if cap is None or all(sum(lengths[i] for i in mb) <= cap for s in splits for mb in s):
-            break
-        k += 1
-    microbatches = tuple(
-        tuple(
-            tuple(ids[i] for i in mb)
-            for mb in sorted(
-                split, key=lambda mb: (-part_costs(costs, [mb])[0], min(mb, default=0))
-            )
-        )
-        for split in splits
-    )
-    return dataclasses.replace(plan, kind="lb_micro", microbatches=microbatches)
 
 
 @dataclasses.dataclass
@@ -166,7 +89,7 @@ class _RowStats:
         }
 
 
-def simulate(
+def compare_plans(
     lengths: Sequence[int],
     *,
     dp_size: int,
@@ -177,7 +100,7 @@ def simulate(
     seed: int = 0,
     too_long: str = "error",
 ) -> dict:
-    """Plans ``num_minibatches`` consecutive minibatches of the shuffled lengths with every plan kind.
+    """Plans ``num_minibatches`` consecutive minibatches of shuffled lengths with each plan kind.
 
     Args:
         lengths: the length pool (e.g. a profile).
@@ -190,9 +113,9 @@ def simulate(
         too_long: policy for samples longer than the cap (see :func:`make_plan`).
 
     Returns:
-        A JSON-ready dict: ``config`` and ``rows`` (one per (schedule, plan), see :data:`ROWS`); each row's
-        ``bubble`` is total idle rank-time / total rank-time over all minibatches, ``bubble_mean`` the mean of
-        the per-minibatch rates.
+        A JSON-ready dict: ``config`` and ``rows`` (one per (schedule, plan), see :data:`ROWS`);
+        each row's ``bubble`` is total idle rank-time / total rank-time over all minibatches,
+        ``bubble_mean`` the mean of the per-minibatch rates.
 
     Raises:
         ValueError: an argument is invalid or the pool is too small.
@@ -243,7 +166,7 @@ def simulate(
 
 
 def format_table(result: dict) -> str:
-    """Renders :func:`simulate`'s result as a text table."""
+    """Renders :func:`compare_plans`'s result as a text table."""
     cfg = result["config"]
     lines = [
         f"dp={cfg['dp_size']} minibatch/rank={cfg['minibatch_per_rank']} cap={cfg['cap_tokens']} "
@@ -256,11 +179,13 @@ def format_table(result: dict) -> str:
         mbs, tokens = row["microbatches_per_rank"], row["tokens_per_rank"]
         lines.append(
             f"{row['schedule'] + '+' + row['plan']:<25}{100 * row['bubble']:>9.2f}"
-            f"{100 * row['bubble_mean']:>8.2f}{row['max_over_mean_cost']:>10.3f}{mbs['mean']:>14.2f}"
+            f"{100 * row['bubble_mean']:>8.2f}{row['max_over_mean_cost']:>10.3f}"
+            f"{mbs['mean']:>14.2f}"
             f"{mbs['min']:>5}{mbs['max']:>5}{tokens['mean']:>13.0f}{tokens['max']:>10.0f}"
         )
     lines.append(
-        "bubble% = idle / total rank-time over all minibatches; mean% = mean of per-minibatch rates; "
+        "bubble% = idle / total rank-time over all minibatches; "
+        "mean% = mean of per-minibatch rates; "
         "collective = lockstep schedule, odc = one sync per minibatch"
     )
     return "\n".join(lines) + "\n"
@@ -270,14 +195,19 @@ def build_parser() -> argparse.ArgumentParser:
     """Returns the command-line parser."""
     parser = argparse.ArgumentParser(
         prog="python -m megatron_odc.balance",
-        description="Predicted bubble rates of the balancing plans under a cost model (ODC Table 6).",
+        description=(
+            "Predicted bubble rates of the balancing plans under a cost model (ODC Table 6)."
+        ),
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--lengths", help="file with one length per line, or a JSON list")
     source.add_argument("--profile", help="profile name in the profiles file (e.g. longalign)")
     parser.add_argument(
         "--profiles-file",
-        help="profile JSON (default: $MEGATRON_ODC_PROFILES or <repo>/../shared/data/length_profiles.json)",
+        help=(
+            "profile JSON (default: $MEGATRON_ODC_PROFILES or "
+            "<repo>/../shared/data/length_profiles.json)"
+        ),
     )
     parser.add_argument("--dp", type=int, required=True, help="DP size N")
     parser.add_argument(
@@ -305,28 +235,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs the tool; returns the exit code (2 on a usage error)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if (args.cost_a is None) != (args.cost_b is None):
-        parser.error("--cost-a and --cost-b go together")
     try:
-        if args.cost_a is not None:
-            cost_model = CostModel(a=args.cost_a, b=args.cost_b)
-        else:
-            cost_model = CostModel.from_model_config(**MODEL_PRESETS[args.model], gated_mlp=True)
-        if args.lengths is not None:
-            lengths = load_lengths_file(args.lengths)
-        else:
-            lengths = load_profile_lengths(args.profile, args.profiles_file)
-        if args.cap < 0:
-            raise ValueError(f"--cap must be >= 0, got {args.cap}")
-        result = simulate(
-            lengths,
-            dp_size=args.dp,
-            minibatch=args.minibatch,
-            cap_tokens=args.cap or None,
-            cost_model=cost_model,
-            num_minibatches=args.num_minibatches,
-            seed=args.seed,
-            too_long=args.too_long,
+        cost_model = explicit_cost_model(args)
+        if cost_model is None:
+            cost_model = preset_cost_model(args.model)
+        lengths = lengths_from_args(args)
+        result = compare_plans(
+            lengths, cost_model=cost_model, too_long=args.too_long, **draw_options(args)
         )
     except ValueError as err:
         parser.error(str(err))

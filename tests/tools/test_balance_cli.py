@@ -1,0 +1,33 @@
+"""The balance tool's comparison of every plan kind (its command line: tests/balance)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from megatron_odc.balance import CostModel
+from megatron_odc.tools.balance_cli import ROWS, compare_plans, format_table
+
+
+def test_compare_plans_reports_every_row_and_its_config() -> None:
+    rng = random.Random(3)
+    pool = [rng.randint(100, 6000) for _ in range(200)]
+    cost = CostModel(a=1e-4, b=1.0)
+    result = compare_plans(
+        pool, dp_size=4, minibatch=3, cap_tokens=8192, cost_model=cost, num_minibatches=4, seed=1
+    )
+    assert result["config"]["global_minibatch"] == 12
+    assert result["config"]["cost_model"] == {"a": 1e-4, "b": 1.0}
+    rows = {(r["schedule"], r["plan"]): r for r in result["rows"]}
+    assert list(rows) == list(ROWS)
+    for (schedule, kind), row in rows.items():
+        assert 0.0 <= row["bubble"] < 1.0
+        if schedule == "odc":  # one sync per minibatch never idles more than lockstep
+            assert row["bubble"] <= rows[("collective", kind)]["bubble"] + 1e-12
+    assert all(name in format_table(result) for name in ("collective+lb_micro_ref", "odc+lb_mini"))
+
+
+def test_compare_plans_names_the_flags() -> None:
+    with pytest.raises(ValueError, match="--dp, --minibatch and --num-minibatches"):
+        compare_plans([1, 2], dp_size=0, minibatch=1, cap_tokens=None, cost_model=CostModel(1, 1))
