@@ -55,10 +55,10 @@ def _imports(path: Path, module: str, known: set[str]) -> list[tuple[int, str]]:
     """``(line, imported module)`` for every import statement in ``path``."""
     tree = ast.parse(path.read_text(), str(path))
     is_package = path.name == "__init__.py"
-    out = []
+    out: set[tuple[int, str]] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            out += [(node.lineno, alias.name) for alias in node.names]
+            out |= {(node.lineno, alias.name) for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:  # relative: resolve against this module's package
@@ -68,8 +68,8 @@ def _imports(path: Path, module: str, known: set[str]) -> list[tuple[int, str]]:
                 base = ".".join([*anchor, base] if base else anchor)
             for alias in node.names:  # ``from pkg import submodule`` imports the submodule
                 candidate = f"{base}.{alias.name}"
-                out.append((node.lineno, candidate if candidate in known else base))
-    return out
+                out.add((node.lineno, candidate if candidate in known else base))
+    return sorted(out)
 
 
 def _layer(relative: Path) -> str | None:
@@ -98,6 +98,13 @@ def check_package(root: Path, layers: dict[str, tuple[str, ...]] = LAYERS) -> li
                 if target not in modules:
                     continue
                 graph[module].add(target)
+                # Importing a.b.c runs a/b/__init__ first: an edge to every package above the
+                # target that is not already above the importer (those ran before it).
+                parts = target.split(".")
+                for depth in range(2, len(parts)):
+                    ancestor = ".".join(parts[:depth])
+                    if ancestor in modules and not module.startswith(ancestor + "."):
+                        graph[module].add(ancestor)
                 target_layer = layer_of[target]
                 if target_layer is None:
                     problems.append(
