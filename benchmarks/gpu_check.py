@@ -45,20 +45,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import functools
 import json
 import logging
 import math
-import multiprocessing
-import os
 import pickle
-import shutil
 import statistics
 import sys
-import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -97,103 +91,42 @@ def _accumulate_modes() -> list[str]:
 # ---------------------------------------------------------------------- launcher
 
 
-def _child(fn, rank, world_size, args, store, result_path, rehearsal) -> None:
+def _on_device(rank: int, world_size: int, fn: Callable, rehearsal: bool, *args: Any) -> Any:
+    """One rank of a check: on ``cuda:0``, or in a rehearsal on CPU with the fakes."""
     global _REHEARSAL
     _REHEARSAL = rehearsal
-    outcome: tuple[str, Any]
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{store}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=120),
-        )
-        try:
-            with contextlib.ExitStack() as undo:
-                if rehearsal:  # megatron-core's CPU runtime, and host memory as the "GPU"
-                    from megatron_odc.integration.cpu import apply_cpu_patches
-                    from tests._fake_cuda import install_fake_cuda
+    with contextlib.ExitStack() as undo:
+        if rehearsal:  # megatron-core's CPU runtime, and host memory as the "GPU"
+            from megatron_odc.integration.cpu import apply_cpu_patches
+            from tests._fake_cuda import install_fake_cuda
 
-                    undo.callback(apply_cpu_patches().revert)
-                    undo.callback(install_fake_cuda().revert)
-                else:
-                    torch.cuda.set_device(0)
-                outcome = ("ok", fn(rank, world_size, *args))
-        finally:
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
-    except BaseException as exc:
-        outcome = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-    with open(result_path + ".tmp", "wb") as f:
-        pickle.dump(outcome, f)
-    os.replace(result_path + ".tmp", result_path)
+            undo.callback(apply_cpu_patches().revert)
+            undo.callback(install_fake_cuda().revert)
+        else:
+            torch.cuda.set_device(0)
+        return fn(rank, world_size, *args)
 
 
 def run_world(fn: Callable, world_size: int, *args: Any, timeout_s: float) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes sharing cuda:0.
 
-    In a rehearsal the processes run on CPU instead: megatron-core's CPU patches, and
-    ``tests/_fake_cuda.py``'s host-memory symmetric memory under a private ``MEGATRON_ODC_SHM_DIR``.
+    The spawning, deadline and per-rank reports are the test harness's (``tests/_dist.py``), which
+    gives every run a private ``MEGATRON_ODC_SHM_DIR`` and removes it. In a rehearsal the processes run
+    on CPU instead: megatron-core's CPU patches, and ``tests/_fake_cuda.py``'s host-memory symmetric
+    memory under that directory.
     """
-    rehearsal = _REHEARSAL
-    ctx = multiprocessing.get_context("spawn")
-    workdir = Path(tempfile.mkdtemp(prefix="odc-gpu-check-"))
-    env = {**OVERLAP_ENV}
-    shm_dir = None
-    if rehearsal:
-        shm_dir = tempfile.mkdtemp(prefix="odc-gpu-check-", dir="/dev/shm")
-        env["MEGATRON_ODC_SHM_DIR"] = shm_dir
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    procs = []
-    paths = [str(workdir / f"rank{r}.pkl") for r in range(world_size)]
-    try:
-        for rank in range(world_size):
-            p = ctx.Process(
-                target=_child,
-                args=(fn, rank, world_size, args, str(workdir / "store"), paths[rank], rehearsal),
-                daemon=True,
-            )
-            p.start()
-            procs.append(p)
-        deadline = time.monotonic() + timeout_s
-        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-            if any(not p.is_alive() and p.exitcode != 0 for p in procs):
-                time.sleep(5)  # let the others report, then give up
-                break
-            time.sleep(0.1)
-        problems, results = [], []
-        for rank, (p, path) in enumerate(zip(procs, paths)):
-            if p.is_alive():
-                problems.append(f"rank {rank} hung (killed after {timeout_s:.0f} s)")
-                results.append(None)
-                continue
-            if not os.path.exists(path):
-                problems.append(f"rank {rank} died (exit code {p.exitcode}) without a result")
-                results.append(None)
-                continue
-            with open(path, "rb") as f:
-                status, value = pickle.load(f)
-            if status != "ok":
-                problems.append(f"rank {rank}: {value}")
-            results.append(value)
-        if problems:
-            raise RuntimeError("\n".join(problems))
-        return results
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(timeout=10)
-        shutil.rmtree(workdir, ignore_errors=True)
-        if shm_dir is not None:
-            shutil.rmtree(shm_dir, ignore_errors=True)
+    from tests._dist import run_ranks
+
+    return run_ranks(
+        _on_device,
+        world_size,
+        fn,
+        _REHEARSAL,
+        *args,
+        timeout_s=timeout_s,
+        pg_timeout_s=120,
+        env=OVERLAP_ENV,
+    )
 
 
 # ---------------------------------------------------------------------- rank bodies

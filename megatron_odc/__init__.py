@@ -43,7 +43,7 @@ _PUBLIC = {
     "LengthBalancedSampler": "megatron_odc.data.sampler",
     "make_plan": "megatron_odc.balance.plan",
     "apply_cpu_patches": "megatron_odc.integration.cpu",
-    "apply_megatron_lm_patches": "megatron_odc.integration.megatron_lm",
+    "apply_megatron_lm_patches": "megatron_odc.integration.megatron_lm.patching",
 }
 """Public name -> the module that defines it."""
 

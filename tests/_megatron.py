@@ -67,6 +67,22 @@ def teardown_megatron() -> None:
         patches.revert()
 
 
+def adam_config(
+    config, lr: float, weight_decay: float, clip_grad: float, **extra
+) -> OptimizerConfig:
+    """megatron-core's Adam configuration for a model of ``config`` (its precision flags and dtype)."""
+    return OptimizerConfig(
+        optimizer="adam",
+        lr=lr,
+        weight_decay=weight_decay,
+        clip_grad=clip_grad,
+        bf16=config.bf16,
+        fp16=config.fp16,
+        params_dtype=config.params_dtype,
+        **extra,
+    )
+
+
 def make_batch(cfg: GPTConfig, num_samples: int, seed: int) -> dict[str, torch.Tensor]:
     """A deterministic random batch of ``num_samples`` full-length sequences.
 
@@ -205,15 +221,8 @@ def build_megatron_ddp(
         grad_reduce_in_fp32=True,
     )
     ddp_model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
-    opt_config = OptimizerConfig(
-        optimizer="adam",
-        lr=lr,
-        weight_decay=weight_decay,
-        clip_grad=clip_grad,
-        bf16=config.bf16,
-        fp16=config.fp16,
-        params_dtype=config.params_dtype,
-        use_distributed_optimizer=use_distributed_optimizer,
+    opt_config = adam_config(
+        config, lr, weight_decay, clip_grad, use_distributed_optimizer=use_distributed_optimizer
     )
     with cuda_type_names():
         optimizer = get_megatron_optimizer(opt_config, [ddp_model])

@@ -4,14 +4,15 @@ Owns the pure-Python partitioners that split item costs into ``k`` parts of bala
 token-capped helpers the plans use to pack microbatches. Every function is deterministic: items are ordered
 by (cost descending, index ascending) and ties are broken by index, so every rank computes the same result
 from the same input with no communication. Entry points: :func:`balanced_partition` (KK + refine),
-:func:`karmarkar_karp`, :func:`refine`, :func:`greedy_lpt`, :func:`first_fit_decreasing`.
+:func:`karmarkar_karp`, :func:`refine`, :func:`greedy_lpt`, :func:`first_fit_decreasing`,
+:func:`first_fit`.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
+from collections.abc import Container, Iterable, Sequence
 
 __all__ = [
     "balanced_partition",
@@ -129,20 +130,49 @@ def first_fit_decreasing(tokens: Sequence[int], cap_tokens: int) -> list[list[in
     Raises:
         ValueError: an item is larger than the capacity.
     """
-    bins: list[list[int]] = []
-    used: list[int] = []
-    for i in sorted(range(len(tokens)), key=lambda i: (-tokens[i], i)):
+    order = sorted(range(len(tokens)), key=lambda i: (-tokens[i], i))
+    for i in order:
         if tokens[i] > cap_tokens:
             raise ValueError(f"item {i} has {tokens[i]} tokens, more than cap_tokens={cap_tokens}")
+    return [sorted(b) for b in first_fit(order, tokens, cap_tokens)]
+
+
+def first_fit(
+    order: Iterable[int],
+    tokens: Sequence[int],
+    cap_tokens: int | None,
+    *,
+    alone: Container[int] = (),
+) -> list[list[int]]:
+    """Packs items in the given order, each into the first bin with room for it.
+
+    Args:
+        order: item indices, in the order they are placed.
+        tokens: item sizes in tokens.
+        cap_tokens: bin capacity; ``None``: no cap (every item joins the first open bin).
+        alone: items that get a bin of their own, which nothing else joins.
+
+    Returns:
+        Bins of item indices in creation order, each in placement order.
+    """
+    bins: list[list[int]] = []
+    used: list[int | None] = []  # None: a closed bin
+    for i in order:
+        if i in alone:
+            bins.append([i])
+            used.append(None)
+            continue
         for j, used_tokens in enumerate(used):
-            if used_tokens + tokens[i] <= cap_tokens:
+            if used_tokens is not None and (
+                cap_tokens is None or used_tokens + tokens[i] <= cap_tokens
+            ):
                 bins[j].append(i)
-                used[j] += tokens[i]
+                used[j] = used_tokens + tokens[i]
                 break
         else:
             bins.append([i])
             used.append(tokens[i])
-    return [sorted(b) for b in bins]
+    return bins
 
 
 def repair_cap(

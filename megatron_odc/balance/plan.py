@@ -43,6 +43,7 @@ from collections.abc import Mapping, Sequence
 from megatron_odc.balance.cost import CostModel
 from megatron_odc.balance.partition import (
     balanced_partition,
+    first_fit,
     first_fit_decreasing,
     karmarkar_karp,
     part_costs,
@@ -394,24 +395,9 @@ def _plan_local_sort(tokens, dp_size) -> list[list[list[int]]]:
 
 
 def _plan_round_robin(costs, tokens, dp_size, cap_tokens, oversize) -> list[list[list[int]]]:
-    per_rank = []
-    for r in range(dp_size):
-        mbs: list[list[int]] = []
-        used: list[int] = []
-        for i in range(r, len(tokens), dp_size):
-            if i in oversize:
-                mbs.append([i])
-                used.append(-1)  # closed: nothing joins an oversize sample
-                continue
-            for j, used_tokens in enumerate(used):
-                if used_tokens >= 0 and (
-                    cap_tokens is None or used_tokens + tokens[i] <= cap_tokens
-                ):
-                    mbs[j].append(i)
-                    used[j] += tokens[i]
-                    break
-            else:
-                mbs.append([i])
-                used.append(tokens[i])
-        per_rank.append(_heaviest_first(costs, mbs))
-    return per_rank
+    return [
+        _heaviest_first(
+            costs, first_fit(range(r, len(tokens), dp_size), tokens, cap_tokens, alone=oversize)
+        )
+        for r in range(dp_size)
+    ]

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -228,19 +228,15 @@ class ODCEngine:
         with self.telemetry.timed("fetch_wait_s"):
             # The freed storage may be reused by the allocator for this fetch: compute's earlier reads of
             # whatever lived there must be done before the fetch stream overwrites it.
-            self._ops.wait(self._fetch_stream, self._ops.record(self._compute_stream))
             self.storage.allocate_params(unit)
             self.buckets.move_unit(unit, BucketState.FETCHING, "fetch")
-            groups = self.storage.groups(unit)
-            self._ops.launch(
+            self._fetch_events[unit] = self._after_compute(
                 self._fetch_stream,
                 f"fetch:{unit}",
-                lambda: self.telemetry.add_fetch(
-                    p2p.fetch_groups(self.transport, self.layout, groups, self.names)
-                ),
-                0.0,
+                p2p.fetch_groups,
+                unit,
+                self.telemetry.add_fetch,
             )
-            self._fetch_events[unit] = self._ops.record(self._fetch_stream)
 
     def finish_fetch(self, unit: str) -> None:
         """Make compute wait for the unit's fetch; afterwards its parameters may be used."""
@@ -285,6 +281,7 @@ class ODCEngine:
         self._check_open()
         if self.unit_state(unit) is BucketState.PUSHING:
             return
+        self.minibatch.check("push")  # refuse before any gradient buffer is bound
         self.buckets.move_unit(unit, BucketState.PUSHING, "begin_backward")
         self._pending[unit] = self.storage.bind_grads(unit, self.grad_dtype)
         self._ready[unit] = set()
@@ -332,24 +329,39 @@ class ODCEngine:
         if self.unit_state(unit) is not BucketState.PUSHING:
             self.buckets.move_unit(unit, BucketState.UNSHARDED, "push")  # raises: nothing to push
         self.minibatch.move("push")
-        groups = self.storage.groups(unit)
         with self.telemetry.timed("push_s"):
-            self._ops.wait(self._push_stream, self._ops.record(self._compute_stream))
-            self._ops.launch(
-                self._push_stream,
-                f"push:{unit}",
-                lambda: self.telemetry.add_push(
-                    p2p.push_groups(self.transport, self.layout, groups, self.names)
-                ),
-                0.0,
+            event = self._after_compute(
+                self._push_stream, f"push:{unit}", p2p.push_groups, unit, self.telemetry.add_push
             )
             self.buckets.move_unit(unit, BucketState.UNSHARDED, "push")
-            grads = self.storage.unbind_grads(unit)
-            self._pushes_in_flight.append((self._ops.record(self._push_stream), grads))
+            self._pushes_in_flight.append((event, self.storage.unbind_grads(unit)))
             while len(self._pushes_in_flight) > self.max_pushes_in_flight:
                 self._retire_oldest_push()
         self._pending[unit] = set()
         self._ready[unit] = set()
+
+    def _after_compute(
+        self,
+        stream: object,
+        label: str,
+        transfer: Callable[..., p2p.TransferResult],
+        unit: str,
+        count: Callable[[p2p.TransferResult], None],
+    ) -> object:
+        """Issue ``transfer`` of the unit's groups on ``stream`` after the compute issued so far.
+
+        Returns:
+            The event of the transfer's completion on ``stream``.
+        """
+        self._ops.wait(stream, self._ops.record(self._compute_stream))
+        groups = self.storage.groups(unit)
+        self._ops.launch(
+            stream,
+            label,
+            lambda: count(transfer(self.transport, self.layout, groups, self.names)),
+            0.0,
+        )
+        return self._ops.record(stream)
 
     def _retire_oldest_push(self) -> None:
         """Compute waits for the oldest push; then its gradient buffers may be freed and reused."""

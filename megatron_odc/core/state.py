@@ -139,17 +139,24 @@ class MinibatchTracker:
         self.dp_rank = dp_rank
         self.phase = MinibatchPhase.READY
 
+    def check(self, action: str) -> None:
+        """Raise unless ``action`` (a key of ``PHASE_RULES``) may start from the current phase.
+
+        Raises:
+            RuntimeError: naming the rank, the action and the phase, and saying why.
+        """
+        allowed, _, why = PHASE_RULES[action]
+        if self.phase not in allowed:
+            raise RuntimeError(
+                f"DP rank {self.dp_rank}: {action} while the minibatch is {self.phase.value}: {why}"
+            )
+
     def move(self, action: str) -> MinibatchPhase:
         """Apply ``action`` (a key of ``PHASE_RULES``); returns the phase it left.
 
         Raises:
-            RuntimeError: ``action`` may not start from the current phase; says why.
+            RuntimeError: ``action`` may not start from the current phase (see :meth:`check`).
         """
-        allowed, new, why = PHASE_RULES[action]
-        old = self.phase
-        if old not in allowed:
-            raise RuntimeError(
-                f"DP rank {self.dp_rank}: {action} while the minibatch is {old.value}: {why}"
-            )
-        self.phase = new
+        self.check(action)
+        old, self.phase = self.phase, PHASE_RULES[action][1]
         return old

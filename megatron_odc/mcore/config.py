@@ -93,8 +93,12 @@ class ODCConfig:
 
     @classmethod
     def from_args(cls, args: Any) -> ODCConfig:
-        """The options set on ``args`` (an argparse namespace with ``odc_<field>`` attributes; ``None``
-        or a missing attribute keeps the default)."""
+        """The options set on ``args`` (an argparse namespace with ``odc_<field>`` attributes, as
+        ``runner/odc_flags.py`` adds them; ``None`` or a missing attribute keeps the default).
+
+        Raises:
+            ValueError: a value the checks refuse (the message names the flag).
+        """
         values = {}
         for field in dataclasses.fields(cls):
             value = getattr(args, f"odc_{field.name}", None)

@@ -11,6 +11,7 @@ or, where TE is installed, TE's, with FP8 compute if asked. ``parallel.model_par
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 from megatron.core import parallel_state
@@ -19,6 +20,11 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.nn import functional
+
+
+def params_dtype(*, bf16: bool, fp16: bool) -> torch.dtype:
+    """The parameter dtype of Megatron's ``--bf16`` / ``--fp16`` (fp32 with neither)."""
+    return torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
 
 
 @dataclasses.dataclass
@@ -66,6 +72,29 @@ class GPTConfig:
     attention_dropout: float = 0.0
     swiglu: bool = False
     add_bias_linear: bool = True
+
+    @classmethod
+    def from_args(cls, args: Any, *, vocab_size: int) -> GPTConfig:
+        """The GPT that Megatron-LM-named arguments describe.
+
+        Fields named like an attribute of ``args`` are copied; the others follow Megatron-LM's flags:
+        ``seq_length`` is ``--max-position-embeddings``, ``params_dtype`` follows ``--bf16`` /
+        ``--fp16``, ``share_embeddings_and_output_weights`` is ``not --untie-embeddings-and-output-
+        weights`` and ``add_bias_linear`` is ``not --disable-bias-linear``.
+        """
+        values = {
+            f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)
+        }
+        return cls(
+            **{
+                **values,
+                "vocab_size": vocab_size,
+                "seq_length": args.max_position_embeddings,
+                "params_dtype": params_dtype(bf16=args.bf16, fp16=args.fp16),
+                "share_embeddings_and_output_weights": not args.untie_embeddings_and_output_weights,
+                "add_bias_linear": not args.disable_bias_linear,
+            }
+        )
 
 
 def transformer_config(cfg: GPTConfig) -> TransformerConfig:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -215,15 +216,19 @@ class ODCOptimizer(MegatronOptimizer):
             self._end_step()  # the step is skipped, but the minibatch still ends with its fence
         return found
 
-    @torch.no_grad()
-    def get_grad_norm(self) -> float:
-        """L2 norm of the whole model's gradient (each element once, over DP and TP)."""
+    def _sum_over_model(self, per_grad: Callable[[torch.Tensor], torch.Tensor]) -> float:
+        """``per_grad`` summed over every gradient element of the model once (over DP and TP)."""
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
         for piece in self.pieces:
             if piece.counted_in_norm:
-                total += piece.main.grad.double().pow(2).sum()
+                total += per_grad(piece.main.grad)
         all_reduce_on_group_device(total, group=self.grad_stats_parallel_group)
-        return float(total.sqrt())
+        return float(total)
+
+    @torch.no_grad()
+    def get_grad_norm(self) -> float:
+        """L2 norm of the whole model's gradient (each element once, over DP and TP)."""
+        return math.sqrt(self._sum_over_model(lambda g: g.double().pow(2).sum()))
 
     @torch.no_grad()
     def clip_grad_norm(self, clip_grad: float) -> float:
@@ -238,12 +243,7 @@ class ODCOptimizer(MegatronOptimizer):
     @torch.no_grad()
     def count_zeros(self) -> float:
         """Number of zero gradient elements over the whole model."""
-        total = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for piece in self.pieces:
-            if piece.counted_in_norm:
-                total += (piece.main.grad == 0).sum()
-        all_reduce_on_group_device(total, group=self.grad_stats_parallel_group)
-        return float(total)
+        return self._sum_over_model(lambda g: (g == 0).sum())
 
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:

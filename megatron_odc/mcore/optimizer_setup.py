@@ -11,9 +11,10 @@ import argparse
 import dataclasses
 from typing import Any
 
-import torch
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from megatron_odc.mcore.model import params_dtype
 
 
 def optimizer_config(args: argparse.Namespace, **overrides: Any) -> OptimizerConfig:
@@ -26,12 +27,8 @@ def optimizer_config(args: argparse.Namespace, **overrides: Any) -> OptimizerCon
         for f in dataclasses.fields(OptimizerConfig)
         if f.init and hasattr(args, f.name)
     }
-    values["params_dtype"] = (
-        torch.bfloat16
-        if values.get("bf16")
-        else torch.float16
-        if values.get("fp16")
-        else torch.float32
+    values["params_dtype"] = params_dtype(
+        bf16=bool(values.get("bf16")), fp16=bool(values.get("fp16"))
     )
     return OptimizerConfig(**{**values, **overrides})
 

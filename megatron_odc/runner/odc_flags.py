@@ -91,20 +91,6 @@ def add_odc_arguments(
     return group
 
 
-def odc_config_from_args(args: argparse.Namespace) -> ODCConfig:
-    """The ``ODCConfig`` of the ``--odc-*`` flags that were set (after :func:`resolve_odc_args`).
-
-    Raises:
-        ValueError: a value ``ODCConfig`` refuses (the message names the flag).
-    """
-    values = {}
-    for field in dataclasses.fields(ODCConfig):
-        value = getattr(args, f"odc_{field.name}", None)
-        if value is not None:
-            values[field.name] = value
-    return ODCConfig(**values)
-
-
 def default_balance(backend: str) -> str:
     """The plan kind a backend runs when ``--balance`` is not given."""
     return EQUAL_COUNT_PLAN_KINDS[0] if backend in LOCKSTEP_BACKENDS else "lb_mini"
@@ -148,5 +134,5 @@ def resolve_odc_args(args: argparse.Namespace) -> argparse.Namespace:
         args.odc_transport = LOCKSTEP_TRANSPORT
     elif args.odc_transport is None:
         args.odc_transport = ODCConfig().transport
-    odc_config_from_args(args)  # refuse bad values before anything is built
+    ODCConfig.from_args(args)  # refuse bad values before anything is built
     return args

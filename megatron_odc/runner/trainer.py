@@ -35,14 +35,13 @@ import torch.distributed as dist
 
 from megatron_odc.mcore import optimizer_setup
 from megatron_odc.mcore.backends import build_backend
-from megatron_odc.mcore.config import LOCKSTEP_BACKENDS, ODC_ENGINE_BACKENDS
+from megatron_odc.mcore.config import LOCKSTEP_BACKENDS, ODC_ENGINE_BACKENDS, ODCConfig
 from megatron_odc.mcore.model import FP8Settings, GPTConfig, build_gpt_model, with_mixed_precision
 from megatron_odc.mcore.parallel import DataParallelCoordinates, model_parallel
 from megatron_odc.mcore.step import gpt_forward_step, train_step
 from megatron_odc.runner import checkpoint
 from megatron_odc.runner.data_pipeline import DataPipeline
 from megatron_odc.runner.log import LogInterval, setup_logging
-from megatron_odc.runner.odc_flags import odc_config_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +137,7 @@ class Trainer:
             args, dp_rank=coordinates.dp_rank, dp_size=coordinates.dp_size, device=device
         )
         gpt = build_gpt_model(
-            _gpt_config(args, self.data.vocab_size),
+            GPTConfig.from_args(args, vocab_size=self.data.vocab_size),
             seed=args.seed,
             transformer_impl=args.transformer_impl,
             fp8=_fp8_settings(args),
@@ -147,7 +146,7 @@ class Trainer:
             args.dp_backend,
             with_mixed_precision(gpt.to(device)),
             optimizer_setup.optimizer_config(args, optimizer="adam"),
-            odc_config=odc_config_from_args(args)
+            odc_config=ODCConfig.from_args(args)
             if args.dp_backend in ODC_ENGINE_BACKENDS
             else None,
         )
@@ -296,32 +295,6 @@ class Trainer:
         close = getattr(self.model, "close", None)
         if close is not None:
             close()
-
-
-def _gpt_config(args: argparse.Namespace, vocab_size: int) -> GPTConfig:
-    """The GPT the flags describe (Megatron-LM's flag names onto ``GPTConfig``)."""
-    params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
-    return GPTConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        ffn_hidden_size=args.ffn_hidden_size,
-        vocab_size=vocab_size,
-        seq_length=args.max_position_embeddings,
-        params_dtype=params_dtype,
-        bf16=args.bf16,
-        fp16=args.fp16,
-        sequence_parallel=args.sequence_parallel,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
-        normalization=args.normalization,
-        init_method_std=args.init_method_std,
-        calculate_per_token_loss=args.calculate_per_token_loss,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        swiglu=args.swiglu,
-        add_bias_linear=not args.disable_bias_linear,
-    )
 
 
 def _fp8_settings(args: argparse.Namespace) -> FP8Settings | None:

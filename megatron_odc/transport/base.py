@@ -167,23 +167,13 @@ class Transport(abc.ABC):
         The own shard is copied locally; peers are visited in rotated order (rank + 1, rank + 2, ...) so
         that concurrent gathers do not all hit the same owner first.
         """
-        spec = self._spec(name)
-        self._check_full(spec, out, "gather_shards")
-        out_flat = out.view(-1)
-        n = spec.numel
-        for step in range(self.world_size):
-            peer = (self.rank + step) % self.world_size
-            self.get(name, peer, 0, out_flat[peer * n : (peer + 1) * n])
+        for peer, part in self._rotated_slices(name, out, "gather_shards"):
+            self.get(name, peer, 0, part)
 
     def scatter_accumulate(self, name: str, src: torch.Tensor) -> None:
         """Add slice ``r`` of ``src`` (``world_size * numel`` elements) into rank ``r``'s shard, for every r."""
-        spec = self._spec(name)
-        self._check_full(spec, src, "scatter_accumulate")
-        src_flat = src.view(-1)
-        n = spec.numel
-        for step in range(self.world_size):
-            peer = (self.rank + step) % self.world_size
-            self.accumulate(name, peer, 0, src_flat[peer * n : (peer + 1) * n])
+        for peer, part in self._rotated_slices(name, src, "scatter_accumulate"):
+            self.accumulate(name, peer, 0, part)
 
     @abc.abstractmethod
     def flush(self) -> None:
@@ -261,12 +251,27 @@ class Transport(abc.ABC):
             raise ValueError(
                 f"rank {self.rank}: {op} on buffer {name!r}: tensor must be contiguous"
             )
+        if tensor.device != self.device:
+            raise ValueError(
+                f"rank {self.rank}: {op} on buffer {name!r} with a tensor on {tensor.device}; the "
+                f"{type(self).__name__}'s memory is on {self.device}, and so must the tensor be"
+            )
         if offset < 0 or offset + tensor.numel() > spec.numel:
             raise ValueError(
                 f"rank {self.rank}: {op} on buffer {name!r} of {spec.numel} elements per rank: range "
                 f"[{offset}, {offset + tensor.numel()}) is out of bounds (peer {peer})"
             )
         return spec
+
+    def _rotated_slices(
+        self, name: str, tensor: torch.Tensor, op: str
+    ) -> list[tuple[int, torch.Tensor]]:
+        """``(peer, peer's slice of tensor)`` for every rank, starting with this one (whole-bucket ops)."""
+        spec = self._spec(name)
+        self._check_full(spec, tensor, op)
+        flat, n = tensor.view(-1), spec.numel
+        peers = [(self.rank + step) % self.world_size for step in range(self.world_size)]
+        return [(peer, flat[peer * n : (peer + 1) * n]) for peer in peers]
 
     def _check_full(self, spec: BufferSpec, tensor: torch.Tensor, op: str) -> None:
         expected = spec.numel * self.world_size

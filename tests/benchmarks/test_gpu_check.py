@@ -92,7 +92,10 @@ def test_cpu_rehearsal_runs_every_check_and_passes(tmp_path: Path) -> None:
 
 
 def _rehearsal_dirs() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob("odc-gpu-check-*")}
+    root = Path("/dev/shm")
+    return {
+        p.name for pattern in ("odc-gpu-check-*", "megatron_odc_test_*") for p in root.glob(pattern)
+    }
 
 
 @pytest.fixture

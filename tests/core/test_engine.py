@@ -240,6 +240,50 @@ def _run_state_errors(rank: int, world_size: int):
     return errors
 
 
+def _run_phase_errors(rank: int, world_size: int):
+    """The minibatch phase refuses a step before the push fence and a backward after it."""
+    model = _model(0)
+    engine, hooks = _wrap(model, ShmTransport(), 10_000)
+    sample = _samples(rank, 1)[0]
+    errors, phases = [], []
+    engine.begin_minibatch()
+    phases.append(engine.phase.value)
+    model(sample).backward()
+    phases.append(engine.phase.value)
+    try:
+        engine.end_step()  # the optimizer would read partial sums
+    except RuntimeError as exc:
+        errors.append(str(exc))
+    engine.finish_minibatch()
+    phases.append(engine.phase.value)
+    try:
+        model(sample).backward()  # pushes after the fence would be lost to this step
+    except RuntimeError as exc:
+        errors.append(str(exc))
+    engine.release_all()
+    engine.end_step()
+    phases.append(engine.phase.value)
+    # The next minibatch starts without a fence and trains as usual.
+    engine.begin_minibatch()
+    model(sample).backward()
+    engine.finish_minibatch()
+    engine.end_step()
+    phases.append(engine.phase.value)
+    hooks.remove()
+    engine.close()
+    return errors, phases
+
+
+def test_minibatch_phase_refuses_a_step_before_the_fence_and_a_push_after_it() -> None:
+    for rank, (errors, phases) in enumerate(run_ranks(_run_phase_errors, 2, timeout_s=60)):
+        assert phases == ["accumulating", "accumulating", "reduced", "ready", "ready"]
+        assert len(errors) == 2, errors
+        assert f"DP rank {rank}: end_step while the minibatch is accumulating" in errors[0]
+        assert "finish_grad_sync" in errors[0]
+        assert f"DP rank {rank}: push while the minibatch is reduced" in errors[1]
+        assert "zero_grad_buffer" in errors[1]
+
+
 def test_illegal_transitions_name_rank_bucket_and_parameter() -> None:
     errors = run_ranks(_run_state_errors, 2, timeout_s=60)[1]
     assert len(errors) == 3

@@ -381,3 +381,22 @@ def test_megatron_ddp_and_distopt_train_on_cpu_and_agree():
     torch.testing.assert_close(
         results[0]["ddp"]["params"], results[1]["ddp"]["params"], rtol=0, atol=0
     )
+
+
+def test_cpu_runtime_applies_on_cpu_and_reverts_only_what_it_applied():
+    from megatron_odc.integration.cpu import active_cpu_patches, apply_cpu_patches, cpu_runtime
+
+    assert not torch.cuda.is_available()
+    assert active_cpu_patches() is None
+    with cpu_runtime() as handle:
+        assert handle is not None
+        assert active_cpu_patches() is handle
+    assert active_cpu_patches() is None
+    outer = apply_cpu_patches()
+    try:
+        with cpu_runtime() as handle:
+            assert handle is outer
+        assert active_cpu_patches() is outer  # someone else's patches stay applied
+    finally:
+        outer.revert()
+    assert active_cpu_patches() is None

@@ -40,11 +40,11 @@ def _forward_step(data_iterator, model):
 
 def _build_odc(model, *, lr, weight_decay, clip_grad, transport="shm", bucket_size=3000):
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig
 
     from megatron_odc.mcore.config import ODCConfig
     from megatron_odc.mcore.data_parallel import ODCDataParallel
     from megatron_odc.mcore.optimizer import ODCOptimizer
+    from tests._megatron import adam_config
 
     config = model.config
     odc_model = ODCDataParallel(
@@ -53,18 +53,7 @@ def _build_odc(model, *, lr, weight_decay, clip_grad, transport="shm", bucket_si
         model,
         odc_config=ODCConfig(transport=transport, bucket_size=bucket_size),
     )
-    opt = ODCOptimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=lr,
-            weight_decay=weight_decay,
-            clip_grad=clip_grad,
-            bf16=config.bf16,
-            fp16=config.fp16,
-            params_dtype=config.params_dtype,
-        ),
-        [odc_model],
-    )
+    opt = ODCOptimizer(adam_config(config, lr, weight_decay, clip_grad), [odc_model])
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = opt.scale_loss
     return odc_model, opt

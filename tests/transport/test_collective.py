@@ -14,6 +14,7 @@ from megatron_odc.transport.base import TransportError
 from megatron_odc.transport.collective import CollectiveTransport
 from megatron_odc.transport.shm import ShmTransport
 from tests._dist import run_ranks
+from tests.transport._cases import mismatched_registrations
 
 PARAM_NUMEL = 1237
 GRAD_NUMEL = 3001
@@ -100,11 +101,7 @@ def _run_parity(rank: int, world_size: int) -> None:
     with pytest.raises(ValueError, match=r"buffer 'nope' is not registered"):
         coll.gather_shards("nope", out)
     last = world_size - 1
-    for field, name, numel, dtype in (
-        ("name", "mm_other" if rank == last else "mm", 64, torch.float32),
-        ("numel", "mm", 65 if rank == last else 64, torch.float32),
-        ("dtype", "mm", 64, torch.float16 if rank == last else torch.float32),
-    ):
+    for field, name, numel, dtype in mismatched_registrations(rank, world_size):
         with pytest.raises(ValueError, match=rf"rank {last} registered buffer .* with {field} "):
             coll.register(name, numel, dtype)
 

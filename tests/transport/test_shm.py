@@ -22,6 +22,7 @@ import torch.distributed as dist
 from megatron_odc.transport import TransportError, build_transport
 from megatron_odc.transport.shm import ShmTransport
 from tests._dist import SHM_ROOT, RankFailureError, run_ranks
+from tests.transport._cases import mismatched_registrations
 
 STRIPE_SMALL_NBYTES = 4096
 SHARD_NUMEL = 16 * 1024 + 13  # 16 stripes of 4 KiB plus a partial one
@@ -139,6 +140,10 @@ def _check_errors(t: ShmTransport, shm_dir: str) -> None:
         ),
         (lambda: t.accumulate("err_bf16", 0, 0, torch.ones(2)), r"targets must be float32"),
         (
+            lambda: t.get("err_f32", 0, 0, torch.empty(2, device="meta")),
+            r"with a tensor on meta; the ShmTransport's memory is on cpu",
+        ),
+        (
             lambda: t.accumulate("err_f32", 0, 0, torch.ones(2, dtype=torch.int32)),
             r"sources must be",
         ),
@@ -153,11 +158,7 @@ def _check_errors(t: ShmTransport, shm_dir: str) -> None:
 
     # Mismatched registrations: the last rank differs in one field; every rank names it, nothing leaks.
     last = world_size - 1
-    for field, name, numel, dtype in (
-        ("name", "mm_other" if rank == last else "mm", 64, torch.float32),
-        ("numel", "mm", 65 if rank == last else 64, torch.float32),
-        ("dtype", "mm", 64, torch.float16 if rank == last else torch.float32),
-    ):
+    for field, name, numel, dtype in mismatched_registrations(rank, world_size):
         with pytest.raises(ValueError, match=rf"rank {last} registered buffer .* with {field} "):
             t.register(name, numel, dtype)
         _assert_no_files(shm_dir)

@@ -17,10 +17,9 @@ from typing import Any
 from megatron.core.optimizer.optimizer import ChainedOptimizer
 
 from megatron_odc.integration.megatron_lm.checkpointing import install_megatron_lm_checkpointing
-from megatron_odc.mcore.config import ODC_ENGINE_BACKENDS
+from megatron_odc.mcore.config import ODC_ENGINE_BACKENDS, ODCConfig
 from megatron_odc.mcore.data_parallel import ODCDataParallel
 from megatron_odc.mcore.optimizer import ODCOptimizer
-from megatron_odc.runner.odc_flags import odc_config_from_args
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +34,7 @@ def wrap_get_model(original: Callable, training: Any) -> Callable:
         margs = get_args()
         if getattr(margs, "dp_backend", None) not in ODC_ENGINE_BACKENDS:
             return original(*args, **kwargs)
-        odc_config = odc_config_from_args(margs)
+        odc_config = ODCConfig.from_args(margs)
 
         def odc_ddp(config, ddp_config, module, disable_bucketing=False, **extra):
             return ODCDataParallel(

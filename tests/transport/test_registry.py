@@ -1,0 +1,44 @@
+"""The transport registry: the one list of transports, auto resolution, and lazy backends."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_odc.transport import (
+    TRANSPORT_CHOICES,
+    TRANSPORTS,
+    resolve_transport_name,
+    transport_class,
+)
+
+
+def test_choices_are_the_registry_plus_auto() -> None:
+    assert ("auto", *TRANSPORTS) == TRANSPORT_CHOICES
+    assert set(TRANSPORTS) == {"shm", "collective", "cuda"}
+    for name in TRANSPORTS:
+        assert transport_class(name).__module__ == f"megatron_odc.transport.{name}"
+    with pytest.raises(ValueError, match="unknown transport 'auto'"):
+        transport_class("auto")  # auto is resolved first, never built
+
+
+def test_auto_follows_the_device() -> None:
+    assert resolve_transport_name("auto", torch.device("cuda", 1)) == "cuda"
+    assert resolve_transport_name("auto", torch.device("cpu")) == "shm"
+    assert resolve_transport_name("collective", torch.device("cuda")) == "collective"
+
+
+def test_importing_the_package_loads_no_backend() -> None:
+    code = (
+        "import sys\n"
+        "import megatron_odc.transport\n"
+        "loaded = [m for m in ('shm', 'cuda', 'collective') if f'megatron_odc.transport.{m}' in sys.modules]\n"
+        "assert not loaded, loaded\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
