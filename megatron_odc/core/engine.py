@@ -35,15 +35,18 @@ import torch
 import torch.distributed as dist
 
 from megatron_odc.core import p2p
+from megatron_odc.core.agreement import (
+    check_same_layout_on_every_rank,
+    check_same_values_on_every_rank,
+)
 from megatron_odc.core.fp8 import Float8ParamCodec
-from megatron_odc.core.layout import Layout, ParamSpec, build_layout, check_same_layout
+from megatron_odc.core.layout import Layout, ParamSpec, build_layout
 from megatron_odc.core.owned import OwnedShards, OwnedValues
 from megatron_odc.core.state import BucketState, BucketStates, MinibatchPhase, MinibatchTracker
 from megatron_odc.core.storage import BufferNames, OwnedPiece, UnshardedStorage
 from megatron_odc.core.streams import StreamOps, TorchStreams
 from megatron_odc.core.telemetry import Telemetry
 from megatron_odc.transport.base import Transport
-from megatron_odc.transport.devices import collective_device
 
 logger = logging.getLogger(__name__)
 
@@ -114,10 +117,17 @@ class ODCEngine:
             bucket_numel=bucket_numel,
             alignment=alignment,
         )
-        self._check_same_layout()
+        check_same_layout_on_every_rank(self.layout, self.dp_rank, self.group)
         params = {name: p for name, p, _ in named_params}
         if check_params_equal:
-            self._check_params_equal([(name, p) for name, p, _ in named_params])
+            check_same_values_on_every_rank(
+                [
+                    (name, fp8_codec.raw_data(p) if name in self.fp8_names else p.detach())
+                    for name, p in params.items()
+                ],
+                self.dp_rank,
+                self.group,
+            )
         for bucket in self.layout.buckets:
             transport.register(
                 self.names.param(bucket.index), bucket.shard_numel, bucket.dtype, accumulate=False
@@ -156,43 +166,6 @@ class ODCEngine:
                     f"DP rank {self.dp_rank}: parameter {name!r} is on {p.device} but the "
                     f"{type(self.transport).__name__}'s memory is on {self.device}; move the model "
                     f"to {self.device} before wrapping it"
-                )
-
-    def _check_same_layout(self) -> None:
-        if self.dp_size == 1 or not dist.is_initialized():
-            return
-        fingerprints: list[str | None] = [None] * self.dp_size
-        dist.all_gather_object(fingerprints, self.layout.fingerprint(), group=self.group)
-        if len(set(fingerprints)) == 1:
-            return
-        records: list[list[str] | None] = [None] * self.dp_size
-        dist.all_gather_object(records, self.layout.records(), group=self.group)
-        check_same_layout(self.layout, records)  # raises, naming the first differing parameter
-        raise ValueError(f"DP rank {self.dp_rank}: bucket layouts differ across DP ranks")
-
-    def _check_params_equal(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
-        if self.dp_size == 1 or not dist.is_initialized() or not named:
-            return
-        device = collective_device(self.group)
-        sums = []
-        for name, p in named:
-            values = self.fp8_codec.raw_data(p) if name in self.fp8_names else p.detach()
-            flat = values.reshape(-1).to(device=device, dtype=torch.float64)
-            weights = torch.arange(
-                1, flat.numel() + 1, dtype=torch.float64, device=device
-            ).remainder_(997.0)
-            sums.append(torch.stack([flat.sum(), (flat * weights).sum()]))
-        mine = torch.stack(sums)
-        gathered = [torch.empty_like(mine) for _ in range(self.dp_size)]
-        dist.all_gather(gathered, mine, group=self.group)
-        for other_rank, other in enumerate(gathered):
-            differs = (other != mine).any(dim=1) & ~(other.isnan() & mine.isnan()).any(dim=1)
-            if bool(differs.any()):
-                index = int(differs.nonzero()[0])
-                raise ValueError(
-                    f"DP rank {self.dp_rank}: parameter {named[index][0]!r} differs between DP rank "
-                    f"{self.dp_rank} and DP rank {other_rank}; every DP rank must start from the same "
-                    "weights (same seed, or call broadcast_params on the plain model first)"
                 )
 
     # ------------------------------------------------------------------ state
