@@ -2,12 +2,14 @@
 
 Entry points: :class:`LengthBalancedSampler` (this rank's microbatches of each minibatch, from a plan
 every rank computes alone), :class:`SFTDataset` / :func:`make_synthetic_sft` (JSONL samples with
-response-only loss masks), :func:`load_tokenizer` / :class:`ByteTokenizer`, and
+response-only loss masks), :class:`Lookahead` (the next minibatch planned while this one trains),
+:func:`load_tokenizer` / :class:`ByteTokenizer`, and
 :func:`pack_microbatch`, :func:`loss_weights`, :func:`global_loss_token_count` (one packed sequence
 per microbatch with ``cu_seqlens``, and per-token weights giving the exact global per-token mean).
 Nothing in this package imports megatron.
 """
 
+from megatron_odc.data.lookahead import Lookahead, Prepared
 from megatron_odc.data.packing import (
     PackedMicrobatch,
     global_loss_token_count,
@@ -29,8 +31,10 @@ __all__ = [
     "ByteTokenizer",
     "HFTokenizer",
     "LengthBalancedSampler",
+    "Lookahead",
     "MinibatchAssignment",
     "PackedMicrobatch",
+    "Prepared",
     "SFTDataset",
     "SFTSample",
     "Tokenizer",

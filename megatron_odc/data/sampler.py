@@ -175,6 +175,22 @@ class LengthBalancedSampler:
             return num_samples // self.global_batch_size
         return math.ceil(num_samples / self.global_batch_size)
 
+    def current(self) -> tuple[int, int]:
+        """``(epoch, index)`` of the next minibatch to train on; a used-up epoch rolls to the next."""
+        if self._next_index < len(self):
+            return self._epoch, self._next_index
+        return self._epoch + 1, 0
+
+    def following(self, epoch: int, index: int) -> tuple[int, int]:
+        """``(epoch, index)`` of the minibatch after minibatch ``index`` of ``epoch``."""
+        return (epoch, index + 1) if index + 1 < len(self) else (epoch + 1, 0)
+
+    def advance_past(self, epoch: int, index: int) -> None:
+        """Moves the position to just after minibatch ``index`` of ``epoch`` (it was trained on)."""
+        if not 0 <= index < len(self):
+            raise ValueError(f"minibatch index {index} is outside [0, {len(self)})")
+        self._epoch, self._next_index = epoch, index + 1
+
     def set_epoch(self, epoch: int) -> None:
         """Moves to the start of ``epoch``; keeps the position when ``epoch`` is already current."""
         if epoch < 0:

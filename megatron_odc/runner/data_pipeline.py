@@ -17,6 +17,7 @@ mean whatever the split.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import logging
 import math
@@ -30,7 +31,9 @@ import torch.distributed as dist
 from megatron_odc.balance import CostModel
 from megatron_odc.data import (
     LengthBalancedSampler,
+    Lookahead,
     MinibatchAssignment,
+    PackedMicrobatch,
     SFTDataset,
     load_microbatch,
     load_tokenizer,
@@ -86,21 +89,20 @@ class DataPipeline:
             self.data_path = args.data_path[0] if args.data_path else synthetic_data_path(args)
             dataset = SFTDataset(self.data_path, self.tokenizer, max_length=args.seq_length)
             self.lengths: Sequence[int] = dataset.lengths
-            self._build_batches = functools.partial(
+            self._prepare_batches = functools.partial(
                 pack_assignment,
                 dataset=dataset,
                 pad_id=self.tokenizer.pad_id,
                 seq_length=args.seq_length,
                 pad_multiple=pad_multiple,
-                device=device,
             )
+            self._finish_batch = functools.partial(packed_batch, device=device)
         else:
             self.data_path = " ".join(args.data_path)
             dataset = gpt_pretraining_dataset(args, self.tokenizer)
             self.lengths = [args.seq_length] * len(dataset)
-            self._build_batches = functools.partial(
-                pretraining_batches, dataset=dataset, device=device
-            )
+            self._prepare_batches = functools.partial(pretraining_batches, dataset=dataset)
+            self._finish_batch = functools.partial(batch_on_device, device=device)
         if len(self.lengths) < args.global_batch_size:
             raise ValueError(
                 f"--global-batch-size {args.global_batch_size} is larger than the dataset "
@@ -137,13 +139,53 @@ class DataPipeline:
             self.tokenizer.vocab_size,
         )
 
-    def next_minibatch(self) -> tuple[MinibatchAssignment, list[Batch]]:
-        """This rank's next minibatch and its batches (the next epoch begins when one is used up)."""
-        assignment = next(iter(self.sampler), None)
-        if assignment is None:
-            self.sampler.set_epoch(self.sampler.epoch + 1)
-            assignment = next(iter(self.sampler))
-        return assignment, self._build_batches(assignment)
+        self._lookahead: Lookahead[tuple[int, int], tuple[MinibatchAssignment, list]] = Lookahead(
+            self._prepare, name="megatron_odc-plan"
+        )
+
+    def _prepare(self, position: tuple[int, int]) -> tuple[MinibatchAssignment, list]:
+        """Plans minibatch ``position`` (epoch, index) and packs this rank's share, on the host."""
+        assignment = self.sampler.assignment(*position)
+        return assignment, self._prepare_batches(assignment)
+
+    def next_minibatch(self) -> Minibatch:
+        """This rank's next minibatch, planned ahead (the next epoch begins when one is used up).
+
+        The plan and the packed microbatches were made on the lookahead thread while the previous
+        minibatch trained (``data/lookahead.py``); the batches go to the device here.
+        """
+        position = self.sampler.current()
+        prepared = self._lookahead.get(position, self.sampler.following(*position))
+        self.sampler.advance_past(*position)
+        assignment, host_batches = prepared.value
+        return Minibatch(
+            assignment=assignment,
+            batches=[self._finish_batch(batch) for batch in host_batches],
+            plan_wait_s=prepared.wait_s,
+            plan_s=prepared.produce_s,
+        )
+
+    def close(self) -> None:
+        """Stops the lookahead thread."""
+        self._lookahead.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class Minibatch:
+    """This rank's share of one minibatch, ready to train on.
+
+    Attributes:
+        assignment: the plan and this rank's microbatches.
+        batches: one :data:`Batch` per microbatch, on the training device.
+        plan_wait_s: seconds the training loop waited for the plan and packing (~0 when they were
+            made ahead; see [Note: lookahead waits] in ``data/lookahead.py``).
+        plan_s: seconds planning and packing took on the lookahead thread.
+    """
+
+    assignment: MinibatchAssignment
+    batches: list[Batch]
+    plan_wait_s: float
+    plan_s: float
 
 
 def padded_vocab_size(args: argparse.Namespace, tokenizer_vocab_size: int) -> int:
@@ -189,19 +231,14 @@ def pack_assignment(
     pad_id: int,
     seq_length: int,
     pad_multiple: int,
-    device: torch.device,
-) -> list[dict[str, torch.Tensor]]:
-    """Packs each of this rank's microbatches into one ``[1, T]`` sequence for the GPT forward.
+) -> list[PackedMicrobatch]:
+    """Packs each of this rank's microbatches into one ``[1, T]`` host sequence.
 
     ``T`` is the packed length rounded up to ``pad_multiple`` and never beyond ``seq_length``; an empty
     microbatch (``lb_micro`` may plan one so that lockstep counts match) becomes ``pad_multiple`` padding
-    tokens with no loss.
-
-    Returns:
-        One dict per microbatch: ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` and the
-        block-diagonal causal ``attention_mask`` (bool ``[1, 1, T, T]``, True = masked out).
+    tokens with no loss. :func:`packed_batch` turns each into the GPT forward's batch.
     """
-    batches = []
+    packed = []
     for sample_ids in assignment.microbatches:
         samples = load_microbatch(dataset, sample_ids, assignment.plan.lengths)
         num_tokens = sum(len(s) for s in samples)
@@ -211,23 +248,25 @@ def pack_assignment(
                 f"{seq_length}; lower --max-tokens-per-microbatch"
             )
         pad_to = min(round_up(max(num_tokens, 1), pad_multiple), seq_length)
-        packed = pack_microbatch(samples, pad_to=pad_to, pad_id=pad_id)
-        batches.append(
-            {
-                "tokens": packed.tokens.to(device),
-                "labels": packed.labels.to(device),
-                "loss_mask": packed.loss_mask.to(device),
-                "position_ids": packed.position_ids.to(device),
-                "attention_mask": packed.attention_mask().to(device),
-            }
-        )
-    return batches
+        packed.append(pack_microbatch(samples, pad_to=pad_to, pad_id=pad_id))
+    return packed
 
 
-def pretraining_batches(
-    assignment: MinibatchAssignment, *, dataset: Any, device: torch.device
-) -> list[dict[str, torch.Tensor]]:
-    """One GPTDataset sample (``--seq-length`` tokens, causal mask) per microbatch.
+def packed_batch(packed: PackedMicrobatch, *, device: torch.device) -> Batch:
+    """The GPT forward's batch of one packed microbatch on ``device``, with its block-diagonal causal
+    ``attention_mask`` (bool ``[1, 1, T, T]``, True = masked out; built here, not ahead, because it is
+    ``T**2`` bytes)."""
+    return {
+        "tokens": packed.tokens.to(device),
+        "labels": packed.labels.to(device),
+        "loss_mask": packed.loss_mask.to(device),
+        "position_ids": packed.position_ids.to(device),
+        "attention_mask": packed.attention_mask().to(device),
+    }
+
+
+def pretraining_batches(assignment: MinibatchAssignment, *, dataset: Any) -> list[Batch]:
+    """One GPTDataset sample (``--seq-length`` tokens, causal mask) per microbatch, on the host.
 
     An empty microbatch (``lb_micro`` plans one when a minibatch has fewer samples than lockstep
     slots) runs the minibatch's first sample with no loss.
@@ -244,13 +283,18 @@ def pretraining_batches(
             sample["loss_mask"] = torch.zeros_like(sample["loss_mask"])
         batches.append(
             {
-                "tokens": sample["tokens"].unsqueeze(0).to(device),
-                "labels": sample["labels"].unsqueeze(0).to(device),
-                "loss_mask": sample["loss_mask"].unsqueeze(0).to(device),
-                "position_ids": sample["position_ids"].unsqueeze(0).to(device),
-                "attention_mask": sample["attention_mask"]
-                .view(1, 1, *sample["attention_mask"].shape[-2:])
-                .to(device),
+                "tokens": sample["tokens"].unsqueeze(0),
+                "labels": sample["labels"].unsqueeze(0),
+                "loss_mask": sample["loss_mask"].unsqueeze(0),
+                "position_ids": sample["position_ids"].unsqueeze(0),
+                "attention_mask": sample["attention_mask"].view(
+                    1, 1, *sample["attention_mask"].shape[-2:]
+                ),
             }
         )
     return batches
+
+
+def batch_on_device(batch: Batch, *, device: torch.device) -> Batch:
+    """``batch`` with every tensor on ``device``."""
+    return {name: tensor.to(device) for name, tensor in batch.items()}

@@ -4,7 +4,8 @@
 pairs, grad norms, microbatch counts and times); :meth:`LogInterval.reduce` all-reduces the pairs over
 DP when the line is due, so the logged ``lm loss`` is the exact global per-token mean, and
 :meth:`LogInterval.line` renders Megatron's figures (iteration, consumed samples, ms per iteration,
-learning rate, lm loss, grad norm) plus ODC's (microbatches per rank, compute imbalance, waits).
+learning rate, lm loss, grad norm) plus ODC's (microbatches per rank, the planner's time on the
+lookahead thread and the loop's wait for it, compute imbalance, fetch/push/fence waits).
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ class LogInterval:
     pairs: list[torch.Tensor] = dataclasses.field(default_factory=list)
     """Per iteration, this rank's ``[loss_sum, num_tokens]`` (float64)."""
     grad_norms: list[float | None] = dataclasses.field(default_factory=list)
+    plan_wait_s: list[float] = dataclasses.field(default_factory=list)
+    """Per iteration, what this rank waited for its plan and packed microbatches."""
+    plan_s: list[float] = dataclasses.field(default_factory=list)
+    """Per iteration, what planning and packing took on the lookahead thread."""
 
     def add(
         self,
@@ -60,6 +65,8 @@ class LogInterval:
         pair: torch.Tensor,
         grad_norm: float | None,
         update_successful: bool,
+        plan_wait_s: float = 0.0,
+        plan_s: float = 0.0,
     ) -> None:
         """Record one iteration."""
         self.num_iters += 1
@@ -76,6 +83,8 @@ class LogInterval:
         self.iterations.append(iteration)
         self.pairs.append(pair)
         self.grad_norms.append(grad_norm)
+        self.plan_wait_s.append(plan_wait_s)
+        self.plan_s.append(plan_s)
 
     def reduce(self, device: torch.device, dp_group: dist.ProcessGroup) -> torch.Tensor:
         """Every iteration's ``[loss_sum, num_tokens]`` summed over DP (collective), on the CPU."""
@@ -111,6 +120,8 @@ class LogInterval:
             f"tokens/s: {tokens_per_s:.0f}",
             f"num microbatches min/max: {self.min_microbatches}/{self.max_microbatches}",
             f"number of skipped iterations: {self.num_skipped:3d}",
+            "plan ahead/wait max (ms): "
+            f"{1000 * max(self.plan_s):.1f}/{1000 * max(self.plan_wait_s):.1f}",
         ]
         if telemetry is not None:
             parts.append(f"odc compute imbalance: {telemetry['compute_imbalance']:.2f}x")

@@ -57,6 +57,8 @@ class TrainResult:
         grad_norms: iteration -> global gradient norm before clipping.
         elapsed_s: wall time of the training loop.
         num_tokens: tokens of every sample trained on in this run, all ranks.
+        plan_wait_s: iteration -> seconds this rank waited for its plan and packed microbatches
+            (they are made one minibatch ahead, so ~0 after the first).
     """
 
     start_iteration: int
@@ -65,6 +67,7 @@ class TrainResult:
     grad_norms: dict[int, float]
     elapsed_s: float
     num_tokens: int
+    plan_wait_s: dict[int, float] = dataclasses.field(default_factory=dict)
 
     @property
     def final_loss(self) -> float | None:
@@ -189,7 +192,8 @@ class Trainer:
         """One minibatch: this rank's microbatches, the step, the scheduler."""
         args = self.args
         start = time.perf_counter()
-        assignment, batches = self.data.next_minibatch()
+        minibatch = self.data.next_minibatch()
+        assignment, batches = minibatch.assignment, minibatch.batches
         counts = assignment.num_microbatches_per_rank
         if args.dp_backend in LOCKSTEP_BACKENDS and len(set(counts)) != 1:
             raise RuntimeError(
@@ -220,8 +224,11 @@ class Trainer:
             pair=pair,
             grad_norm=None if grad_norm is None else float(grad_norm),
             update_successful=report["update_successful"],
+            plan_wait_s=minibatch.plan_wait_s,
+            plan_s=minibatch.plan_s,
         )
         result.num_tokens += num_tokens
+        result.plan_wait_s[iteration] = minibatch.plan_wait_s
 
     def _log(self, interval: LogInterval, result: TrainResult, eta_s: float) -> None:
         """Reduce the interval over DP (collective), record it and log its line on rank 0."""
@@ -291,7 +298,9 @@ class Trainer:
         )
 
     def close(self) -> None:
-        """Release the backend's resources (the ODC transport's memory)."""
+        """Release the data path's lookahead thread and the backend's resources (the ODC transport's
+        memory)."""
+        self.data.close()
         close = getattr(self.model, "close", None)
         if close is not None:
             close()

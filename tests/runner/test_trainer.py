@@ -145,7 +145,8 @@ def _free_port() -> int:
 ITERATION_LINE = re.compile(
     r"iteration\s+(\d+)/\s*(\d+) \| consumed samples:\s+(\d+) \| .*learning rate: (\S+) \| "
     r".*lm loss: (\S+) \| grad norm: (\S+) \| tokens/s: \d+ \| num microbatches min/max: (\d+)/(\d+)"
-    r" \| .*odc compute imbalance: \S+x \| fetch/push/fence wait .* \| ETA \d+:\d\d:\d\d"
+    r" \| number of skipped iterations: +\d+ \| plan ahead/wait max \(ms\): ([\d.]+)/([\d.]+)"
+    r" \| odc compute imbalance: \S+x \| fetch/push/fence wait .* \| ETA \d+:\d\d:\d\d"
 )
 SUMMARY_LINE = re.compile(r"training finished .*first lm loss: (\S+) \| final lm loss: (\S+)")
 

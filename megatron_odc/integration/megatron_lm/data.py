@@ -3,8 +3,8 @@
 With ``--balance`` other than ``none``, the train split gets a :class:`BalancedPretrainingLoader` whose
 iterator exposes ``next_num_microbatches()`` (what ``schedule.py`` asks). Megatron-LM's samples are fixed
 ``[seq_length]`` packs, so every sample costs the same and LB-Mini gives every DP rank the same count;
-the plan is still made per global batch by ``data.sampler.LengthBalancedSampler`` and its count drives the
-schedule.
+the plan is still made per global batch by ``data.sampler.LengthBalancedSampler`` (one global batch
+ahead, on a lookahead thread) and its count drives the schedule.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from megatron_odc.data.lookahead import Lookahead
 from megatron_odc.data.sampler import LengthBalancedSampler
 from megatron_odc.mcore.config import ODC_ENGINE_BACKENDS
 from megatron_odc.runner.odc_flags import MEGATRON_SAMPLER
@@ -90,10 +91,16 @@ class BalancedPretrainingLoader:
 
 
 class _BalancedIterator(Iterator):
+    """Global batch after global batch; the plan of the next one is made while this one trains
+    (``data/lookahead.py``)."""
+
     def __init__(self, loader: BalancedPretrainingLoader, index: int) -> None:
         self.loader = loader
         self.index = index
         self.pending: list[tuple[int, ...]] = []
+        self.plans: Lookahead[int, tuple[tuple[int, ...], ...]] = Lookahead(
+            loader.rank_microbatches, name="megatron_odc-plan"
+        )
 
     def next_num_microbatches(self) -> int:
         if self.pending:
@@ -102,7 +109,8 @@ class _BalancedIterator(Iterator):
             )
         if self.index >= self.loader.num_global_batches:
             raise StopIteration
-        self.pending = list(self.loader.rank_microbatches(self.index))
+        following = self.index + 1 if self.index + 1 < self.loader.num_global_batches else None
+        self.pending = list(self.plans.get(self.index, following).value)
         self.index += 1
         return len(self.pending)
 
