@@ -15,7 +15,9 @@ the gather (a prefetch), ``finish_fetch`` makes compute wait for it, ``release``
 ``begin_backward`` binds ``param.main_grad`` into a zeroed gradient buffer, ``grad_ready`` takes each
 parameter's gradient once per backward and pushes the unit once all are in (parameters used several
 times, like tied embeddings, are complete when autograd accumulates them, once). At most
-``max_pushes_in_flight`` gradient buffers stay alive while their pushes run.
+``max_pushes_in_flight`` gradient buffers stay alive while their pushes run. *Kept* units ([Note: kept
+units] in ``budget.py``) skip both per-use steps: ``release`` leaves them unsharded and a complete
+backward does not push them; ``finish_minibatch`` pushes and releases them once.
 
 Per minibatch ([Note: minibatch protocol] in ``state.py``): ``finish_minibatch`` (after the last push)
 and ``end_step`` (after the optimizer wrote the new shards) hold the only two DP-wide fences;
@@ -39,6 +41,7 @@ from megatron_odc.core.agreement import (
     check_same_layout_on_every_rank,
     check_same_values_on_every_rank,
 )
+from megatron_odc.core.budget import BUDGET_NONE, choose_kept_units, unit_kept_nbytes
 from megatron_odc.core.fp8 import Float8ParamCodec
 from megatron_odc.core.layout import Layout, ParamSpec, build_layout
 from megatron_odc.core.owned import OwnedShards, OwnedValues
@@ -68,6 +71,10 @@ class ODCEngine:
         streams: the stream implementation (default: ``TorchStreams`` on the transport's device).
         max_pushes_in_flight: unsharded gradient buffers whose push may still run while compute goes on.
         fp8_codec: recognises FP8 parameters and handles their bytes (``None``: no FP8 parameters).
+        unsharded_budget: bytes of units kept unsharded, accumulating their gradients locally, from
+            their first use in a minibatch to its fence: ``"none"``, ``"all"`` or a size
+            (``budget.choose_kept_units`` picks the units; the same on every rank).
+        root_unit: the unit of the parameters outside every unit module (ranked first among equals).
     """
 
     def __init__(
@@ -84,6 +91,8 @@ class ODCEngine:
         streams: StreamOps | None = None,
         max_pushes_in_flight: int = 1,
         fp8_codec: Float8ParamCodec | None = None,
+        unsharded_budget: str | int | float = BUDGET_NONE,
+        root_unit: str | None = None,
     ) -> None:
         if max_pushes_in_flight < 1:
             raise ValueError(f"max_pushes_in_flight must be >= 1, got {max_pushes_in_flight}")
@@ -118,6 +127,17 @@ class ODCEngine:
             alignment=alignment,
         )
         check_same_layout_on_every_rank(self.layout, self.dp_rank, self.group)
+        self.kept_units: frozenset[str] = choose_kept_units(
+            self.layout, unsharded_budget, grad_dtype=grad_dtype, root_unit=root_unit
+        )
+        if self.kept_units:
+            logger.info(
+                "ODC unsharded budget %s: %d of %d units kept for whole minibatches (%.1f MiB)",
+                unsharded_budget,
+                len(self.kept_units),
+                len(self.layout.units),
+                sum(unit_kept_nbytes(self.layout, u, grad_dtype) for u in self.kept_units) / 2**20,
+            )
         params = {name: p for name, p, _ in named_params}
         if check_params_equal:
             check_same_values_on_every_rank(
@@ -229,7 +249,12 @@ class ODCEngine:
         self.finish_fetch(unit)
 
     def release(self, unit: str) -> None:
-        """Free the unit's unsharded parameters; a no-op if already released."""
+        """Free the unit's unsharded parameters; a no-op if already released or kept (a kept unit is
+        released by ``finish_minibatch``)."""
+        if unit not in self.kept_units:
+            self._release(unit)
+
+    def _release(self, unit: str) -> None:
         if self.unit_state(unit) is BucketState.SHARDED:
             return
         # A prefetch nobody used: its writes must end before the memory is reused.
@@ -241,11 +266,11 @@ class ODCEngine:
         self.storage.free_params(unit)
 
     def release_all(self) -> None:
-        """Release every unit (after pushing any partial gradients)."""
+        """Release every unit, kept ones included (after pushing any partial gradients)."""
         for unit in self.layout.units:
             if self.unit_state(unit) is BucketState.PUSHING:
                 self.push(unit)
-            self.release(unit)
+            self._release(unit)
 
     # ------------------------------------------------------------------ backward and push
 
@@ -287,7 +312,7 @@ class ODCEngine:
             param.main_grad.add_(param.grad)
         param.grad = None
         self._ready[unit].add(name)
-        if self._ready[unit] >= self._pending[unit]:
+        if self._ready[unit] >= self._pending[unit] and unit not in self.kept_units:
             self.push(unit)
             return unit
         return None
@@ -348,9 +373,12 @@ class ODCEngine:
         self.transport.flush()
 
     def finish_backward(self) -> None:
-        """End of one backward pass: push partial units (unused parameters) and release everything."""
+        """End of one backward pass: push partial units (unused parameters) and release everything;
+        kept units keep their parameters and go on accumulating their gradients."""
         for unit in self.layout.units:
-            if self.unit_state(unit) is BucketState.PUSHING:
+            if unit in self.kept_units:
+                self._ready[unit] = set()  # the next backward adds to the same gradient buffer
+            elif self.unit_state(unit) is BucketState.PUSHING:
                 self.push(unit)
         for unit in self.layout.units:
             self.release(unit)
@@ -367,12 +395,20 @@ class ODCEngine:
         self._check_open()
         for unit in self.layout.units:
             if self.unit_state(unit) is BucketState.PUSHING:
+                if unit in self.kept_units and not self._ready[unit]:
+                    # A kept unit's local sums of an abandoned minibatch (no finish_minibatch):
+                    # dropped, as the owners' accumulators are zeroed below.
+                    self.storage.unbind_grads(unit)
+                    self.buckets.move_unit(unit, BucketState.UNSHARDED, "begin_minibatch")
+                    self._pending[unit] = set()
+                    self._release(unit)
+                    continue
                 bucket = self.buckets.unit_buckets(unit)[0]
                 raise RuntimeError(
                     f"DP rank {self.dp_rank}: a minibatch began while bucket {bucket} (unit {unit!r}) "
                     "still holds unpushed gradients; a backward pass did not finish"
                 )
-            self.release(unit)
+            self._release(unit)  # kept units too: a step may have changed them
         self.telemetry.begin_minibatch()
         if self.minibatch.move("begin_minibatch") is not MinibatchPhase.READY:
             with self.telemetry.timed("fence_s"):
@@ -382,9 +418,11 @@ class ODCEngine:
                 self.transport.fence()
 
     def finish_minibatch(self) -> None:
-        """Push what is left, flush, and fence: every owner now holds the full gradient sums."""
+        """Push what is left (kept units: their whole minibatch), release every unit, flush, and
+        fence: every owner now holds the full gradient sums."""
         self._check_open()
         self.finish_backward()
+        self.release_all()
         with self.telemetry.timed("fence_s"):
             self._complete_own_operations()
             self.transport.fence()
@@ -464,7 +502,7 @@ class ODCEngine:
                 else:
                     out[name] = param.detach().clone()
             if was_sharded:
-                self.release(unit)
+                self._release(unit)
         return out
 
     def persistent_nbytes(self) -> int:

@@ -14,9 +14,10 @@ Imports megatron nothing: the entries (``runner/``, ``integration/``) and the ad
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from megatron_odc.core.budget import BUDGET_ALL, BUDGET_NONE, parse_budget
 from megatron_odc.transport import TRANSPORT_CHOICES
 from megatron_odc.transport.cuda import ACCUMULATE_MODES
 
@@ -35,8 +36,17 @@ LOCKSTEP_TRANSPORT = "collective"
 """The transport of the lockstep backends."""
 
 
-def _option(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+def _option(
+    default: Any,
+    help: str,
+    choices: tuple[str, ...] | None = None,
+    parse: Callable[[Any], Any] | None = None,
+) -> Any:
+    """A field of :class:`ODCConfig`: its flag's help, its choices, or the function that checks a
+    value that is neither a choice nor a plain number (raising ``ValueError`` naming the flag)."""
+    return dataclasses.field(
+        default=default, metadata={"help": help, "choices": choices, "parse": parse}
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -74,13 +84,22 @@ class ODCConfig:
     check_params_equal: bool = _option(
         True, "check at construction that every DP rank holds the same weights"
     )
+    unsharded_budget: str = _option(
+        BUDGET_NONE,
+        f"bytes per rank for units kept unsharded from their first use in a minibatch to its fence, "
+        f"fetched once and pushed once per minibatch ({BUDGET_NONE}: ZeRO-3, fetch per use and push "
+        f"per microbatch; {BUDGET_ALL}: every unit; or a size such as 2GiB)",
+        parse=parse_budget,
+    )
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value, kind = getattr(self, field.name), type(field.default)
             flag = f"--odc-{field.name.replace('_', '-')}"
             choices = field.metadata["choices"]
-            if choices is not None:
+            if field.metadata["parse"] is not None:
+                field.metadata["parse"](value)
+            elif choices is not None:
                 if value not in choices:
                     raise ValueError(f"{flag} {value!r} is not one of {', '.join(choices)}")
             elif kind is bool:

@@ -130,6 +130,8 @@ class ODCDataParallel(DistributedDataParallel):
                 check_params_equal=odc_config.check_params_equal,
                 max_pushes_in_flight=odc_config.pushes_in_flight,
                 fp8_codec=select_fp8_codec((n, p) for n, p, _ in units.named_params),
+                unsharded_budget=odc_config.unsharded_budget,
+                root_unit=ROOT_UNIT if units.has_root else None,
             )
         except BaseException:
             transport.close()  # a refused model (e.g. weights differ across DP) leaks no files or fds
@@ -151,7 +153,8 @@ class ODCDataParallel(DistributedDataParallel):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Nothing to defer: every microbatch pushes, and the owners accumulate."""
+        """Nothing to defer: every microbatch pushes (kept units: the last one), and the owners
+        accumulate."""
         yield
 
     def start_grad_sync(self, *unused) -> None:

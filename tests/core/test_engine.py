@@ -79,8 +79,17 @@ def _named_params(model: TinyLM) -> list[tuple[str, torch.nn.Parameter, str]]:
     return sorted(out, key=lambda t: (t[2] != "root", t[2]))
 
 
-def _wrap(model: TinyLM, transport, bucket_numel: int) -> tuple[ODCEngine, ODCHooks]:
-    engine = ODCEngine(_named_params(model), transport, bucket_numel=bucket_numel, alignment=4)
+def _wrap(
+    model: TinyLM, transport, bucket_numel: int, budget: str = "none"
+) -> tuple[ODCEngine, ODCHooks]:
+    engine = ODCEngine(
+        _named_params(model),
+        transport,
+        bucket_numel=bucket_numel,
+        alignment=4,
+        unsharded_budget=budget,
+        root_unit="root",
+    )
     units = [(f"layers.{i}", layer) for i, layer in enumerate(model.layers)]
     return engine, ODCHooks(engine, model, units, "root")
 
@@ -96,11 +105,13 @@ def _owned_grads(engine: ODCEngine) -> list[tuple[str, int, torch.Tensor]]:
     return out
 
 
-def _run_uneven(rank: int, world_size: int, counts: list[int], bucket_numel: int, steps: int):
+def _run_uneven(
+    rank: int, world_size: int, counts: list[int], bucket_numel: int, steps: int, budget: str
+):
     model = _model(0)
     samples = _samples(1, sum(counts) * steps)
     transport = RecordingTransport(ShmTransport())
-    engine, _ = _wrap(model, transport, bucket_numel)
+    engine, _ = _wrap(model, transport, bucket_numel, budget)
     results = []
     cursor = 0
     for _ in range(steps):
@@ -131,6 +142,9 @@ def _run_uneven(rank: int, world_size: int, counts: list[int], bucket_numel: int
                 "after_ops": after,
                 "states": states,
                 "telemetry": engine.telemetry.snapshot(),
+                "kept": sorted(engine.kept_units),
+                "units": list(engine.layout.units),
+                "num_buckets": len(engine.layout.buckets),
             }
         )
         # A plain SGD step on the owned shard so that the next minibatch sees new weights.
@@ -187,22 +201,54 @@ def _assemble(
 
 
 @pytest.mark.parametrize(
-    ("counts", "bucket_numel"),
-    [([1, 3], 10_000), ([2, 0, 1, 3], 700), ([0, 2], 64)],
-    ids=["dp2-1vs3", "dp4-with-zero", "dp2-tiny-buckets-split"],
+    ("counts", "bucket_numel", "budget"),
+    [
+        ([1, 3], 10_000, "none"),
+        ([2, 0, 1, 3], 700, "none"),
+        ([0, 2], 64, "none"),
+        ([1, 3], 10_000, "all"),
+        ([2, 0, 1, 3], 700, "all"),
+        ([3, 1], 700, "40000"),
+    ],
+    ids=[
+        "dp2-1vs3",
+        "dp4-with-zero",
+        "dp2-tiny-buckets-split",
+        "dp2-1vs3-keep-all",
+        "dp4-with-zero-keep-all",
+        "dp2-3vs1-keep-some",
+    ],
 )
-def test_uneven_microbatches_match_single_process(counts: list[int], bucket_numel: int) -> None:
+def test_uneven_microbatches_match_single_process(
+    counts: list[int], bucket_numel: int, budget: str
+) -> None:
     steps = 2
-    results = run_ranks(_run_uneven, len(counts), counts, bucket_numel, steps, timeout_s=120)
+    results = run_ranks(
+        _run_uneven, len(counts), counts, bucket_numel, steps, budget, timeout_s=120
+    )
     oracle_grads, oracle_params = _oracle(counts, steps)
     for step in range(steps):
         got = _assemble(results, step, oracle_grads[step])
         for name, expected in oracle_grads[step].items():
             assert_rel_close(got[name], expected, 1e-5, name)
-        for res, _ in results:
+        for rank, (res, _) in enumerate(results):
             rec = res[step]
-            assert rec["inside_ops"] in (["accumulate", "get"], ["get"], ["accumulate"], [])
-            assert rec["after_ops"] == ["flush", "fence"]
+            kept, units = rec["kept"], rec["units"]
+            if budget == "none":
+                assert kept == []
+                assert rec["inside_ops"] in (["accumulate", "get"], ["get"], ["accumulate"], [])
+                assert rec["after_ops"] == ["flush", "fence"]
+            elif budget == "all":
+                # Kept units: fetched once in the minibatch, pushed once at its end.
+                assert kept == sorted(units)
+                assert rec["inside_ops"] in (["get"], [])
+                assert set(rec["after_ops"][:-2]) <= {"accumulate"}
+                assert rec["after_ops"][-2:] == ["flush", "fence"]
+                moved = rec["num_buckets"] if counts[rank] else 0
+                assert rec["telemetry"]["num_fetches"] == moved
+                assert rec["telemetry"]["num_pushes"] == moved
+            else:
+                assert 0 < len(kept) < len(units), kept
             assert set(rec["states"]) == {"sharded"}
     for _, full in results:
         for name, expected in oracle_params.items():

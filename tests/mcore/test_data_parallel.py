@@ -38,7 +38,9 @@ def _forward_step(data_iterator, model):
     return _forward_step(data_iterator, model)
 
 
-def _build_odc(model, *, lr, weight_decay, clip_grad, transport="shm", bucket_size=3000):
+def _build_odc(
+    model, *, lr, weight_decay, clip_grad, transport="shm", bucket_size=3000, budget="none"
+):
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
 
     from megatron_odc.mcore.config import ODCConfig
@@ -51,7 +53,7 @@ def _build_odc(model, *, lr, weight_decay, clip_grad, transport="shm", bucket_si
         config,
         DistributedDataParallelConfig(grad_reduce_in_fp32=True),
         model,
-        odc_config=ODCConfig(transport=transport, bucket_size=bucket_size),
+        odc_config=ODCConfig(transport=transport, bucket_size=bucket_size, unsharded_budget=budget),
     )
     opt = ODCOptimizer(adam_config(config, lr, weight_decay, clip_grad), [odc_model])
     config.finalize_model_grads_func = finalize_model_grads
@@ -66,7 +68,7 @@ def _loss_report(losses) -> tuple[float, float]:
     return float(totals[0]), float(totals[1])
 
 
-def _run_parity(rank, world_size, tp, sp, counts, steps, oracle):
+def _run_parity(rank, world_size, tp, sp, counts, steps, oracle, budget):
     from megatron.core import parallel_state
 
     from megatron_odc.mcore.cpu_optimizers import cuda_type_names
@@ -79,7 +81,7 @@ def _run_parity(rank, world_size, tp, sp, counts, steps, oracle):
         cfg = GPTConfig(**CFG_KW, sequence_parallel=sp)
         dp_rank = parallel_state.get_data_parallel_rank()
         hp = {"lr": 3e-3, "weight_decay": 0.1, "clip_grad": 0.05}
-        odc_model, odc_opt = _build_odc(build_gpt_model(cfg, seed=11), **hp)
+        odc_model, odc_opt = _build_odc(build_gpt_model(cfg, seed=11), budget=budget, **hp)
         ref_model, ref_opt = build_megatron_ddp(
             build_gpt_model(cfg, seed=11), use_distributed_optimizer=(oracle == "distopt"), **hp
         )
@@ -96,6 +98,7 @@ def _run_parity(rank, world_size, tp, sp, counts, steps, oracle):
             out["odc_norm"].append(float(odc["grad_norm"]))
             out["ref_norm"].append(float(ref["grad_norm"]))
         out["telemetry"] = odc_model.log_telemetry()
+        out["kept"] = (len(odc_model.engine.kept_units), len(odc_model.engine.layout.units))
         odc_params = odc_model.engine.full_parameters()
         ref_params = {n: p.detach().clone() for n, p in ref_model.module.named_parameters()}
         worst = max((_rel_err(odc_params[n], ref_params[n]), n) for n in ref_params)
@@ -118,19 +121,37 @@ def _run_parity(rank, world_size, tp, sp, counts, steps, oracle):
 
 
 @pytest.mark.parametrize(
-    ("world_size", "tp", "sp", "counts", "oracle"),
+    ("world_size", "tp", "sp", "counts", "oracle", "budget"),
     [
-        (2, 1, False, [2, 2], "ddp"),
-        (4, 2, False, [2, 2], "distopt"),
-        (4, 2, True, [1, 3], "ddp"),
-        (4, 1, False, [1, 0, 3, 2], "distopt"),
+        (2, 1, False, [2, 2], "ddp", "none"),
+        (4, 2, False, [2, 2], "distopt", "none"),
+        (4, 2, True, [1, 3], "ddp", "none"),
+        (4, 1, False, [1, 0, 3, 2], "distopt", "none"),
+        (4, 1, False, [1, 0, 3, 2], "ddp", "all"),
+        (4, 2, True, [3, 1], "distopt", "60KB"),
     ],
-    ids=["tp1-dp2-ddp", "tp2-dp2-distopt", "tp2-dp2-sp-uneven", "tp1-dp4-uneven-zero"],
+    ids=[
+        "tp1-dp2-ddp",
+        "tp2-dp2-distopt",
+        "tp2-dp2-sp-uneven",
+        "tp1-dp4-uneven-zero",
+        "tp1-dp4-uneven-zero-keep-all",
+        "tp2-dp2-sp-uneven-keep-some",
+    ],
 )
-def test_odc_matches_megatron_ddp(world_size, tp, sp, counts, oracle) -> None:
+def test_odc_matches_megatron_ddp(world_size, tp, sp, counts, oracle, budget) -> None:
     steps = 5
     results = run_ranks(
-        _run_parity, world_size, tp, sp, counts, steps, oracle, timeout_s=400, pg_timeout_s=120
+        _run_parity,
+        world_size,
+        tp,
+        sp,
+        counts,
+        steps,
+        oracle,
+        budget,
+        timeout_s=400,
+        pg_timeout_s=120,
     )
     for rank, res in enumerate(results):
         for step in range(steps):
@@ -144,6 +165,10 @@ def test_odc_matches_megatron_ddp(world_size, tp, sp, counts, oracle) -> None:
         assert not res["tp_replicas_diverged"], f"rank {rank}: {res['tp_replicas_diverged']}"
         err, name = res["param_rel_err"]
         assert err <= 1e-5, f"rank {rank}: parameter {name} differs by {err:.2e} (relative)"
+    kept, num_units = results[0]["kept"]
+    assert kept == {"none": 0, "all": num_units}.get(budget, kept)
+    if budget not in ("none", "all"):
+        assert 0 < kept < num_units, (kept, num_units)
     # Telemetry: per-rank microbatch counts as planned, bytes moved.
     tel = results[0]["telemetry"]
     assert tel["num_microbatches_max"] == max(counts)

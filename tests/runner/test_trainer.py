@@ -274,7 +274,9 @@ def _run_backends(rank: int, world_size: int, workdir: str) -> dict[str, dict[in
     runs = {
         "odc lb_mini": [],
         "odc round_robin": ["--balance", "round_robin"],
+        "odc lb_mini keep-all": ["--odc-unsharded-budget", "all"],
         "fsdp lb_micro": ["--dp-backend", "fsdp"],
+        "fsdp lb_micro keep-some": ["--dp-backend", "fsdp", "--odc-unsharded-budget", "100KiB"],
         "ddp lb_mini": ["--dp-backend", "ddp"],
         "distopt local_sort": ["--dp-backend", "distopt", "--balance", "local_sort"],
     }
