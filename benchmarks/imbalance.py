@@ -11,6 +11,8 @@ configuration         what runs
 ``fsdp+local_sort``   lockstep ZeRO-3, one sample per microbatch sorted by length (LongAlign's policy)
 ``odc+lb_micro``      ODC with the same plan as the baseline (the communication change alone)
 ``odc+lb_mini``       ODC with the minibatch-level balancer (uneven microbatch counts)
+``odc-all+lb_mini``   the same with ``--odc-unsharded-budget all`` (one fetch and one push per unit per
+                      minibatch; unsharded state kept from first use to the fence)
 ``ddp+lb_mini``       replicated parameters (megatron-core DDP): the memory upper bound
 ====================  ===============================================================================
 
@@ -92,9 +94,13 @@ CONFIGS = (
     ("fsdp", "local_sort"),
     ("odc", "lb_micro"),
     ("odc", "lb_mini"),
+    ("odc-all", "lb_mini"),
     ("ddp", "lb_mini"),
 )
 BASELINE = "fsdp+lb_micro"
+ODC_VARIANTS = {"odc-all": {"unsharded_budget": "all"}}
+"""Benchmark backends that are ``odc`` with other ODCConfig options (``--odc-unsharded-budget all``:
+every unit fetched once and pushed once per minibatch)."""
 PAPER_CAP_TOKENS = 65536
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_LENGTH_SCALE = 16
@@ -409,9 +415,10 @@ def _build_all(seq_length: int, dtype: str) -> dict[str, tuple[torch.nn.Module, 
     from megatron.core.optimizer import OptimizerConfig
 
     from megatron_odc.mcore.backends import build_backend
+    from megatron_odc.mcore.config import ODCConfig
 
     built = {}
-    for backend in ("fsdp", "odc", "ddp"):
+    for backend in ("fsdp", "odc", *ODC_VARIANTS, "ddp"):
         model = build_model(seed=1, seq_length=seq_length, dtype=dtype)
         opt_config = OptimizerConfig(
             optimizer="adam",
@@ -421,7 +428,13 @@ def _build_all(seq_length: int, dtype: str) -> dict[str, tuple[torch.nn.Module, 
             bf16=dtype == "bf16",
             params_dtype=DTYPES[dtype],
         )
-        wrapped, optimizer = build_backend(backend, model, opt_config)
+        variant = ODC_VARIANTS.get(backend)
+        wrapped, optimizer = build_backend(
+            "odc" if variant else backend,
+            model,
+            opt_config,
+            odc_config=ODCConfig(**variant) if variant else None,
+        )
         built[backend] = (wrapped, optimizer, Probe(backend, wrapped, optimizer))
     return built
 
@@ -549,7 +562,7 @@ def _rank_main(rank: int, world_size: int, settings: dict, result_path: str) -> 
             payload = {"results": results, "state_nbytes": gathered_state, "comm_probe": comm_probe}
             with open(result_path, "wb") as f:
                 pickle.dump(payload, f)
-        for backend in ("odc", "fsdp"):
+        for backend in ("odc", *ODC_VARIANTS, "fsdp"):
             built[backend][0].close()
         parallel_state.destroy_model_parallel()
     finally:
