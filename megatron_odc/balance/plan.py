@@ -37,6 +37,7 @@ the ODC paper's Table 6.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 from collections.abc import Mapping, Sequence
 
@@ -274,15 +275,20 @@ def _fill_empty(costs: Sequence[float], parts: list[list[int]]) -> list[list[int
     The cheapest item of the part with the most items moves, so the heaviest part never gets heavier.
     """
     parts = [list(p) for p in parts]
+    # Donors by (most items, lowest index). Only a donor's count changes, and it is popped to change.
+    donors = [(-len(p), d) for d, p in enumerate(parts) if len(p) >= 2]
+    heapq.heapify(donors)
     for j in range(len(parts)):
         if parts[j]:
             continue
-        donor = max(range(len(parts)), key=lambda d: (len(parts[d]), -d))
-        if len(parts[donor]) < 2:
+        if not donors:
             break
+        _, donor = heapq.heappop(donors)
         item = min(parts[donor], key=lambda i: (costs[i], i))
         parts[donor].remove(item)
         parts[j].append(item)
+        if len(parts[donor]) >= 2:
+            heapq.heappush(donors, (-len(parts[donor]), donor))
     return parts
 
 
@@ -371,11 +377,12 @@ def _plan_lb_micro(costs, tokens, dp_size, cap_tokens, oversize) -> list[list[li
     per_rank: list[list[list[int]]] = [[] for _ in range(dp_size)]
     totals = [0.0] * dp_size
     for start in range(0, len(mbs), dp_size):
-        # Round of dp_size microbatches (already heaviest first): each to the lightest rank so far.
-        free_ranks = list(range(dp_size))
+        # Round of dp_size microbatches (already heaviest first): each to the lightest rank so far (lowest
+        # rank on ties) that has none of this round yet.
+        free_ranks = [(totals[r], r) for r in range(dp_size)]
+        heapq.heapify(free_ranks)
         for mb in mbs[start : start + dp_size]:
-            r = min(free_ranks, key=lambda r: (totals[r], r))
-            free_ranks.remove(r)
+            _, r = heapq.heappop(free_ranks)
             per_rank[r].append(mb)
             totals[r] += math.fsum(costs[i] for i in mb)
     return per_rank
