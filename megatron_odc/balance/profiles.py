@@ -1,7 +1,8 @@
-"""Sample-length profiles for offline planning: the shared profile file and plain length lists.
+"""Sample-length profiles for offline planning: the shipped profile file and plain length lists.
 
-Owns where the profile file is found (``--profiles-file``, else env ``MEGATRON_ODC_PROFILES``, else
-``<repo>/../shared/data/length_profiles.json``) and how lengths are read. A profile file is a JSON object
+Owns where the profile file is found (``--profiles-file``, else env ``MEGATRON_ODC_PROFILES``, else the file
+shipped in this package, ``length_profiles.json``, written by ``python -m megatron_odc.tools.length_profiles``)
+and how lengths are read. A profile file is a JSON object
 ``{name: {"lengths": [int, ...], ...}}``. Entry points: :func:`load_profile_lengths`, :func:`load_lengths_file`.
 """
 
@@ -14,6 +15,7 @@ from pathlib import Path
 
 __all__ = [
     "PROFILES_ENV",
+    "SHIPPED_PROFILES_PATH",
     "default_profiles_path",
     "load_lengths_file",
     "load_profile_lengths",
@@ -22,14 +24,14 @@ __all__ = [
 
 PROFILES_ENV = "MEGATRON_ODC_PROFILES"
 
+SHIPPED_PROFILES_PATH = Path(__file__).with_name("length_profiles.json")
+"""The profiles shipped with the package (longalign, swe_smith, rl_aime, short, uniform)."""
+
 
 def default_profiles_path() -> Path:
-    """Returns ``$MEGATRON_ODC_PROFILES`` if set, else ``<repo>/../shared/data/length_profiles.json``."""
+    """Returns ``$MEGATRON_ODC_PROFILES`` if set, else :data:`SHIPPED_PROFILES_PATH`."""
     env = os.environ.get(PROFILES_ENV)
-    if env:
-        return Path(env)
-    repo = Path(__file__).resolve().parents[2]
-    return repo.parent / "shared" / "data" / "length_profiles.json"
+    return Path(env) if env else SHIPPED_PROFILES_PATH
 
 
 def _check_lengths(lengths: object, where: str) -> list[int]:

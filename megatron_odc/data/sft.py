@@ -327,7 +327,7 @@ def make_synthetic_sft(
         num_samples: number of lines.
         seed: seed of the draw and the text.
         length_profile: token lengths to imitate (e.g. a profile of
-            ``shared/data/length_profiles.json``), or None.
+            ``megatron_odc/balance/length_profiles.json``), or None.
         max_tokens: the scaled length of the profile's longest sample.
         min_tokens: the shortest sample (at least 8).
 

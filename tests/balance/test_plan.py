@@ -210,15 +210,8 @@ def test_plan_is_identical_in_another_process():
     assert json.loads(result.stdout) == json.loads(json.dumps(here))
 
 
-@pytest.fixture
-def profiles_path():
-    path = default_profiles_path()
-    if not path.is_file():
-        pytest.skip(f"no length profile file at {path}")
-    return path
-
-
-def test_tool_longalign_table6_setting(profiles_path, capsys):
+def test_tool_longalign_table6_setting(monkeypatch, capsys):
+    monkeypatch.delenv(PROFILES_ENV, raising=False)  # the profiles shipped in the package
     argv = [
         "--profile",
         "longalign",
