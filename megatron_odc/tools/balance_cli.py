@@ -130,7 +130,7 @@ def compare_plans(
     stats = {row: _RowStats() for row in ROWS}
     for ids in minibatches:
         batch_lengths = [lengths[i] for i in ids]
-        plans: dict[str, Plan | None] = {
+        plans: dict[str, Plan] = {
             kind: make_plan(
                 kind,
                 ids,
@@ -144,12 +144,11 @@ def compare_plans(
         }
         plans["lb_micro_ref"] = reference_lb_micro(plans["lb_micro"])
         for schedule, kind in ROWS:
-            if plans[kind] is not None:
-                stats[(schedule, kind)].add(plans[kind], schedule)
-    rows = []
-    for (schedule, kind), row_stats in stats.items():
-        if row_stats.bubbles:
-            rows.append({"schedule": schedule, "plan": kind, **row_stats.summary()})
+            stats[(schedule, kind)].add(plans[kind], schedule)
+    rows = [
+        {"schedule": schedule, "plan": kind, **row_stats.summary()}
+        for (schedule, kind), row_stats in stats.items()
+    ]
     return {
         "config": {
             "dp_size": dp_size,
@@ -205,8 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--profiles-file",
         help=(
-            "profile JSON (default: $MEGATRON_ODC_PROFILES or "
-            "<repo>/../shared/data/length_profiles.json)"
+            "profile JSON (default: $MEGATRON_ODC_PROFILES, else the profiles shipped in "
+            "megatron_odc/balance/length_profiles.json)"
         ),
     )
     parser.add_argument("--dp", type=int, required=True, help="DP size N")

@@ -317,13 +317,11 @@ def simulate_minibatches(
                 f"minibatch {index} has {len(lengths)} samples, not a multiple of dp_size={dp_size}"
             )
         ids = list(range(len(lengths)))
-        plans: dict[str, Plan | None] = {}
+        plans: dict[str, Plan] = {}
         for schedule, kind in rows:
             if kind not in plans:
                 plans[kind] = _plan(kind, ids, list(lengths), dp_size, cap_tokens, plan_cost)
             plan = plans[kind]
-            if plan is None:
-                continue
             results[(schedule, kind)].append(simulate_plan(plan, schedule, model, hw))
     out = []
     base_time = None

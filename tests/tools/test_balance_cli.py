@@ -31,3 +31,25 @@ def test_compare_plans_reports_every_row_and_its_config() -> None:
 def test_compare_plans_names_the_flags() -> None:
     with pytest.raises(ValueError, match="--dp, --minibatch and --num-minibatches"):
         compare_plans([1, 2], dp_size=0, minibatch=1, cap_tokens=None, cost_model=CostModel(1, 1))
+
+
+def test_every_row_covers_the_same_minibatches_with_oversize_samples() -> None:
+    # Samples over the cap (planned alone) used to make lb_micro_ref skip their minibatch, so its average was
+    # over other minibatches than the other rows'. Every row now plans every minibatch: the same mean tokens.
+    rng = random.Random(5)
+    pool = [rng.randint(100, 6000) for _ in range(120)]
+    pool[7] = pool[40] = 9000
+    cost = CostModel(a=1e-4, b=1.0)
+    result = compare_plans(
+        pool,
+        dp_size=3,
+        minibatch=4,
+        cap_tokens=8192,
+        cost_model=cost,
+        num_minibatches=10,
+        seed=2,
+        too_long="alone",
+    )
+    means = {(r["schedule"], r["plan"]): r["tokens_per_rank"]["mean"] for r in result["rows"]}
+    assert len(means) == len(ROWS)
+    assert max(means.values()) == pytest.approx(min(means.values()), rel=1e-12)

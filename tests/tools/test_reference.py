@@ -32,9 +32,18 @@ def test_reference_keeps_samples_counts_and_cap(seed: int) -> None:
         assert costs == sorted(costs, reverse=True)
 
 
-def test_reference_gives_up_on_a_sample_over_the_cap() -> None:
+def test_reference_plans_a_sample_over_the_cap_alone() -> None:
+    # The same minibatches as the other plans: an oversize sample gets a microbatch of its own (one of its
+    # rank's k), every rank still runs k microbatches, and the rest stay under the cap.
     cost = CostModel(a=0.0, b=1.0)
+    lengths = [100, 900, 200, 300, 50, 450]
     base = make_plan(
-        "lb_micro", [0, 1], [100, 900], 2, cap_tokens=500, cost_model=cost, too_long="alone"
+        "lb_micro", list(range(6)), lengths, 2, cap_tokens=500, cost_model=cost, too_long="alone"
     )
-    assert reference_lb_micro(base) is None
+    ref = reference_lb_micro(base)
+    assert sorted(ref.sample_ids()) == list(range(6))
+    assert len(set(ref.num_microbatches())) == 1
+    owner = next(r for r, mbs in enumerate(ref.microbatches) if any(1 in mb for mb in mbs))
+    assert (1,) in ref.microbatches[owner]
+    for mbs in ref.microbatches:
+        assert all(sum(lengths[s] for s in mb) <= 500 for mb in mbs if mb != (1,))
