@@ -38,6 +38,7 @@ __all__ = [
     "first_fit",
     "first_fit_decreasing",
     "greedy_lpt",
+    "heaviest_lower_bound",
     "karmarkar_karp",
     "part_costs",
     "refine",
@@ -706,8 +707,7 @@ def refine(
     work = _Work(costs, tokens, parts)
     rounds = 4 * len(costs) + 16 if max_rounds is None else max_rounds
     # Stop once the heaviest part is within rel_tol of a lower bound on any partition's heaviest part.
-    lower_bound = max(math.fsum(costs[i] for p in parts for i in p) / len(parts), 0.0)
-    lower_bound = max([lower_bound, *(costs[i] for p in parts for i in p)])
+    lower_bound = heaviest_lower_bound([costs[i] for p in parts for i in p], len(parts))
     for _ in range(rounds):
         if work.has_arrays:
             h = int(np.argmax(work.loads))  # the first of equal maxima
@@ -750,18 +750,21 @@ def repair_cap(
     work = _Work(costs, tokens, parts)
     work.arrays()
     num_parts = len(work.parts)
+    every_part = np.arange(num_parts)
+    chosen = np.zeros(num_parts, dtype=bool)
     while True:
         excess = work.toks - cap_tokens
-        if not (excess > 0).any():
-            return [sorted(p) for p in work.parts]
         h = int(np.argmax(excess))
-        others = np.flatnonzero(np.arange(num_parts) != h)
+        if excess[h] <= 0:
+            return [sorted(p) for p in work.parts]
+        others = np.concatenate((every_part[:h], every_part[h + 1 :]))
         if len(others) <= _MAX_PARTNERS:
             best = _repair_step(work, h, others, cap_tokens)
         else:
-            by_load = others[_smallest(work.loads[others], _REPAIR_PARTNERS)]
-            by_room = others[_smallest(work.toks[others], _REPAIR_PARTNERS)]
-            best = _repair_step(work, h, np.union1d(by_load, by_room), cap_tokens)
+            chosen[:] = False
+            chosen[others[_smallest(work.loads[others], _REPAIR_PARTNERS)]] = True
+            chosen[others[_smallest(work.toks[others], _REPAIR_PARTNERS)]] = True
+            best = _repair_step(work, h, np.flatnonzero(chosen), cap_tokens)
             if best is None:
                 best = _repair_step(work, h, others, cap_tokens)
         if best is None:
@@ -771,59 +774,72 @@ def repair_cap(
 
 
 def _repair_step(work: _Work, h: int, partners: np.ndarray, cap_tokens: int):
-    """The repair move of :func:`repair_cap` out of part h into the partners: (p, xs, ys) or None."""
+    """The repair move of :func:`repair_cap` out of part h into the partners: (p, xs, ys) or None.
+
+    Candidates are ranked by (excess left in h, new cost of p, p, x, 0 for a move or 1 + position of y).
+    """
     num_parts = len(work.parts)
     hx = work.items(h)
     cx, tx = work.costs[hx], work.tokens[hx]
     over = int(work.toks[h]) - cap_tokens
     room = cap_tokens - work.toks
-    # Moves: key (excess left, new cost of p), order (p, x, 0).
-    ok_move = (tx[:, None] > 0) & (tx[:, None] <= room[partners][None, :])
-    move_key0 = np.maximum(0, over - tx)[:, None] + np.zeros((1, len(partners)), dtype=np.int64)
-    move_key1 = work.loads[partners][None, :] + cx[:, None]
-    move_part = np.broadcast_to(partners[None, :], ok_move.shape)
-    move_x = np.broadcast_to(np.arange(len(hx))[:, None], ok_move.shape)
-    # Swaps: order (p, x, 1 + position of y).
+    # Moves of x into p.
+    move_x, move_p = np.nonzero((tx[:, None] > 0) & (tx[:, None] <= room[partners][None, :]))
+    move_part = partners[move_p]
+    # Swaps of x for y (of a partner part).
     member = np.zeros(num_parts + 1, dtype=bool)
     member[partners] = True
     ys = np.flatnonzero(member[work.part_of])
-    owner, pos = work.part_of[ys], work.pos_of[ys]
+    owner = work.part_of[ys]
     delta = tx[:, None] - work.tokens[ys][None, :]
-    ok_swap = (delta > 0) & (delta <= room[owner][None, :])
-    swap_key0 = np.maximum(0, over - delta)
-    swap_key1 = (work.loads[owner][None, :] + cx[:, None]) - work.costs[ys][None, :]
-    swap_part = np.broadcast_to(owner[None, :], ok_swap.shape)
-    swap_x = np.broadcast_to(np.arange(len(hx))[:, None], ok_swap.shape)
-    swap_sub = np.broadcast_to(1 + pos[None, :], ok_swap.shape)
-    key0 = np.concatenate([move_key0[ok_move], swap_key0[ok_swap]])
-    if not len(key0):
+    swap_x, swap_y = np.nonzero((delta > 0) & (delta <= room[owner][None, :]))
+    num_moves = len(move_x)
+    if not num_moves and not len(swap_x):
         return None
-    key1 = np.concatenate([move_key1[ok_move], swap_key1[ok_swap]])
-    part = np.concatenate([move_part[ok_move], swap_part[ok_swap]])
-    x = np.concatenate([move_x[ok_move], swap_x[ok_swap]])
-    sub = np.concatenate([np.zeros(int(ok_move.sum()), dtype=np.int64), swap_sub[ok_swap]])
-    y = np.concatenate(
-        [np.full(int(ok_move.sum()), -1), np.broadcast_to(ys[None, :], ok_swap.shape)[ok_swap]]
+    swap_part = owner[swap_y]
+    key0 = np.concatenate(
+        [np.maximum(0, over - tx[move_x]), np.maximum(0, over - delta[swap_x, swap_y])]
     )
-    pick = np.lexsort((sub, x, part, key1, key0))[0]
+    key1 = np.concatenate(
+        [
+            work.loads[move_part] + cx[move_x],
+            (work.loads[swap_part] + cx[swap_x]) - work.costs[ys[swap_y]],
+        ]
+    )
+    part = np.concatenate([move_part, swap_part])
+    x = np.concatenate([move_x, swap_x])
+    sub = np.concatenate([np.zeros(num_moves, dtype=np.int64), 1 + work.pos_of[ys[swap_y]]])
+    pick = int(np.lexsort((sub, x, part, key1, key0))[0])
     xs = (int(hx[x[pick]]),)
-    return int(part[pick]), xs, (() if y[pick] < 0 else (int(y[pick]),))
+    return int(part[pick]), xs, (() if pick < num_moves else (int(ys[swap_y[pick - num_moves]]),))
+
+
+def heaviest_lower_bound(costs: Sequence[float], k: int) -> float:
+    """A lower bound on the heaviest part of any ``k``-way split: max(mean part cost, largest item)."""
+    return max(math.fsum(costs) / k, max(costs, default=0.0), 0.0)
 
 
 def balanced_partition(
-    costs: Sequence[float], k: int, *, equal_count: bool = False
+    costs: Sequence[float], k: int, *, equal_count: bool = False, rel_tol: float = 1e-6
 ) -> list[list[int]]:
     """Karmarkar-Karp followed by :func:`refine`: the default balanced k-way split.
 
-    Without ``equal_count`` the refined greedy LPT split is computed too and kept if its heaviest part is
-    strictly lighter, so the result is never worse than LPT.
+    Without ``equal_count``, unless the refined KK split is already within ``rel_tol`` of
+    :func:`heaviest_lower_bound`, the refined greedy LPT split is computed too and kept if its heaviest part
+    is strictly lighter, so the result is never worse than LPT by more than ``rel_tol``.
 
     Returns:
         ``k`` parts as in :func:`karmarkar_karp` (ordered by cost descending, then first index).
     """
-    best = refine(costs, karmarkar_karp(costs, k, equal_count=equal_count), equal_count=equal_count)
-    if not equal_count:
-        lpt = refine(costs, greedy_lpt(costs, k))
+    best = refine(
+        costs,
+        karmarkar_karp(costs, k, equal_count=equal_count),
+        equal_count=equal_count,
+        rel_tol=rel_tol,
+    )
+    good_enough = heaviest_lower_bound(costs, k) * (1.0 + rel_tol)
+    if not equal_count and max(part_costs(costs, best), default=0.0) > good_enough:
+        lpt = refine(costs, greedy_lpt(costs, k), rel_tol=rel_tol)
         if max(part_costs(costs, lpt), default=0.0) < max(part_costs(costs, best), default=0.0):
             best = lpt
     return _ordered(costs, best)

@@ -46,6 +46,7 @@ from megatron_odc.balance.partition import (
     balanced_partition,
     first_fit,
     first_fit_decreasing,
+    heaviest_lower_bound,
     karmarkar_karp,
     part_costs,
     refine,
@@ -61,6 +62,11 @@ EQUAL_COUNT_PLAN_KINDS = ("lb_micro",)
 """Plan kinds that give every DP rank the same number of microbatches (what lockstep backends need)."""
 
 TOO_LONG_POLICIES = ("error", "truncate", "alone")
+
+BALANCE_TOLERANCE = 1e-4
+"""A split (of a minibatch over ranks, of a rank's samples over microbatches) stops improving once its heaviest
+part is within this relative distance of the lower bound max(mean part, largest sample): at most 0.01 points
+of bubble above the best possible split, and far less search at scale (see docs/balancing.md, planner speed)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,28 +299,50 @@ def _fill_empty(costs: Sequence[float], parts: list[list[int]]) -> list[list[int
 
 
 def _pack_k(
-    costs: Sequence[float], tokens: Sequence[int], items: Sequence[int], k: int, cap_tokens: int
+    costs: Sequence[float],
+    tokens: Sequence[int],
+    items: Sequence[int],
+    k: int,
+    cap_tokens: int,
+    ffd: list[list[int]] | None = None,
 ) -> list[list[int]] | None:
     """Splits ``items`` into ``k`` microbatches under the cap, balanced by cost; ``None`` if not found.
 
     Two candidates: KK by cost (repaired under the cap if needed) and FFD by tokens (if it needs at most k bins),
-    both refined by cost under the cap; the one with the lighter heaviest microbatch wins (KK on ties).
+    both refined by cost under the cap; the one with the lighter heaviest microbatch wins (KK on ties). FFD is
+    not tried when KK is already within :data:`BALANCE_TOLERANCE` of the lower bound. ``ffd``: FFD's bins of
+    ``items`` (positions in ``items``) when the caller has them already.
     """
     sub_costs = [costs[i] for i in items]
     sub_tokens = [tokens[i] for i in items]
-    candidates = []
-    kk = karmarkar_karp(sub_costs, k)
-    if any(sum(sub_tokens[i] for i in p) > cap_tokens for p in kk):
-        kk = repair_cap(sub_costs, sub_tokens, kk, cap_tokens)
-    if kk is not None:
-        candidates.append(kk)
-    ffd = first_fit_decreasing(sub_tokens, cap_tokens)
-    if len(ffd) <= k:
-        candidates.append(ffd + [[] for _ in range(k - len(ffd))])
+    good_enough = heaviest_lower_bound(sub_costs, k) * (1.0 + BALANCE_TOLERANCE)
+
+    if k == 1 and sum(sub_tokens) <= cap_tokens:
+        return [list(items)]
+
+    def ffd_candidate() -> list[list[int]] | None:
+        bins = first_fit_decreasing(sub_tokens, cap_tokens) if ffd is None else ffd
+        return (
+            [list(b) for b in bins] + [[] for _ in range(k - len(bins))] if len(bins) <= k else None
+        )
+
+    def kk_candidate() -> list[list[int]] | None:
+        kk = karmarkar_karp(sub_costs, k)
+        if any(sum(sub_tokens[i] for i in p) > cap_tokens for p in kk):
+            return repair_cap(sub_costs, sub_tokens, kk, cap_tokens)
+        return kk
+
     best: list[list[int]] | None = None
     best_max = math.inf
-    for parts in candidates:
-        parts = refine(sub_costs, parts, tokens=sub_tokens, cap_tokens=cap_tokens)
+    for candidate in (kk_candidate, ffd_candidate):
+        if best_max <= good_enough:
+            break  # KK is already within the tolerance of the bound: FFD cannot win by more
+        parts = candidate()
+        if parts is None:
+            continue
+        parts = refine(
+            sub_costs, parts, tokens=sub_tokens, cap_tokens=cap_tokens, rel_tol=BALANCE_TOLERANCE
+        )
         parts = _fill_empty(sub_costs, parts)
         heaviest = max(part_costs(sub_costs, parts), default=0.0)
         if heaviest < best_max:
@@ -340,14 +368,14 @@ def _pack_rank(
     elif cap_tokens is None:
         packed = [list(rest)]
     else:
-        num_mbs = len(first_fit_decreasing([tokens[i] for i in rest], cap_tokens))
-        packed = _pack_k(costs, tokens, rest, num_mbs, cap_tokens)
+        ffd = first_fit_decreasing([tokens[i] for i in rest], cap_tokens)
+        packed = _pack_k(costs, tokens, rest, len(ffd), cap_tokens, ffd)
         assert packed is not None, "FFD's own packing is always a candidate"
     return _heaviest_first(costs, alone + packed)
 
 
 def _plan_lb_mini(costs, tokens, dp_size, cap_tokens, oversize) -> list[list[list[int]]]:
-    parts = balanced_partition(costs, dp_size)
+    parts = balanced_partition(costs, dp_size, rel_tol=BALANCE_TOLERANCE)
     return [_pack_rank(costs, tokens, part, cap_tokens, oversize) for part in parts]
 
 

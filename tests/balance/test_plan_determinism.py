@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -58,3 +59,29 @@ def test_no_sample_lost_or_duplicated_and_cap_kept(two_processes, kind) -> None:
                 continue  # too_long="alone": its own microbatch, over the cap
             assert not oversize & set(mb), mb
             assert sum(lengths[i] for i in mb) <= 40000, mb
+
+
+def _benchmark(hash_seed: str) -> list[dict]:
+    """benchmarks/planner.py at a small size, speed part only, targets not judged."""
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "planner.py"
+    env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+    argv = ["--sizes", "700x90,64x8", "--repeats", "1", "--no-bubbles", "--no-targets", "--json"]
+    proc = subprocess.run(
+        [sys.executable, str(script), *argv], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines()]
+
+
+def test_planner_benchmark_small_size_gives_the_same_checked_plans_in_two_processes() -> None:
+    # The benchmark checks each plan itself (coverage, cap) and fails the run otherwise; CI runs it small,
+    # as a test of correctness, not of speed.
+    first, second = _benchmark("3"), _benchmark("977")
+    assert [(r["samples"], r["ranks"]) for r in first] == [(700, 90), (64, 8)]
+    for a, b in zip(first, second, strict=True):
+        assert (
+            a["lb_micro_microbatches"] % a["ranks"] == 0
+        )  # lb_micro: the same count on every rank
+        for kind in ("lb_mini", "lb_micro"):
+            assert a[f"{kind}_digest"] == b[f"{kind}_digest"]
+            assert 0.0 <= a[f"{kind}_bubble"] < 1.0
