@@ -35,6 +35,8 @@ import any layer, and nothing may import them."""
 
 THIRD_PARTY: dict[str, tuple[str, ...]] = {
     "megatron.training": ("integration",),
+    # A file format (numpy memory maps; no process group, no model): preprocessed SFT data in data/.
+    "megatron.core.datasets.indexed_dataset": ("data", "mcore", "integration"),
     "megatron.core": ("mcore", "integration"),
     "megatron": ("mcore", "integration"),
 }

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_odc.data.sft import SFTDataset, SFTSample
+from megatron_odc.data.sft import SFTSample, SFTSamples
 
 if TYPE_CHECKING:
     from megatron_odc.data.sampler import MinibatchAssignment
@@ -148,7 +148,7 @@ def pack_microbatch(
 
 
 def load_microbatch(
-    dataset: SFTDataset,
+    dataset: SFTSamples,
     sample_ids: Sequence[int],
     planned_lengths: Mapping[int, int] | None = None,
 ) -> list[SFTSample]:
@@ -183,7 +183,7 @@ def loss_weights(loss_mask: torch.Tensor, global_num_loss_tokens: int) -> torch.
     return mask / float(global_num_loss_tokens)
 
 
-def global_loss_token_count(assignment: MinibatchAssignment, dataset: SFTDataset) -> int:
+def global_loss_token_count(assignment: MinibatchAssignment, dataset: SFTSamples) -> int:
     """Counts the loss tokens of a whole minibatch, from the plan alone (no communication).
 
     Args:

@@ -2,7 +2,7 @@
 
 Owns :class:`LengthBalancedSampler` and :class:`MinibatchAssignment`. The partitioning itself (cost
 model, Karmarkar-Karp, plan kinds) lives in :mod:`megatron_odc.balance`; this module only decides
-which samples form each minibatch, asks for the plan, and keeps a resumable position. Pure Python and
+which samples form each minibatch, asks for the plan, and keeps a resumable position. Pure Python with numpy,
 torch-free; nothing here imports megatron.
 
 [Note: sampler determinism]
@@ -13,6 +13,12 @@ SHA-512, so this is stable across Python versions and processes), minibatch ``i`
 ``make_plan(plan_kind, ids, lengths, dp_size, ...)``, which is deterministic. No rank ever needs
 another rank's state. The last minibatch of an epoch is smaller when the dataset size is not a
 multiple of ``global_batch_size`` (dropped with ``drop_last``).
+
+[Note: sampler memory]
+A rank's sampler keeps no Python object per sample: the lengths stay the array it was given (a memory-mapped
+dataset's are file-backed pages, not copied) and the current epoch's order is one int32 array (4 bytes per
+sample), shuffled in place with exactly the swaps of ``random.shuffle`` on a list (:func:`_shuffle`), so the
+order is the one a list would get.
 
 [Note: sampler resume]
 ``state_dict()`` records the epoch, the index of the next minibatch to yield, the seed and a
@@ -28,12 +34,15 @@ with the epoch already current keeps the position, so the usual
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import logging
 import math
 import random
 import zlib
 from collections.abc import Iterator, Sequence
+
+import numpy as np
 
 from megatron_odc.balance.cost import CostModel
 from megatron_odc.balance.plan import PLAN_KINDS, TOO_LONG_POLICIES, Plan, make_plan
@@ -45,6 +54,24 @@ _STATE_VERSION = 1
 _STRICT_FIELDS = ("num_samples", "global_batch_size", "seed", "shuffle", "drop_last")
 # Fields that only change how a minibatch is split: a mismatch on resume is logged.
 _LOOSE_FIELDS = ("dp_size", "plan_kind", "cap_tokens", "cost_model", "too_long")
+
+
+def _shuffle(items: array.array, rng: random.Random) -> None:
+    """``rng.shuffle(items)`` in place on a compact array: the same swaps (the Fisher-Yates loop of CPython's
+    ``random.shuffle``, one ``_randbelow`` per position), so the same order as shuffling a list."""
+    randbelow = rng._randbelow
+    for i in reversed(range(1, len(items))):
+        j = randbelow(i + 1)
+        items[i], items[j] = items[j], items[i]
+
+
+def _lengths_crc32(lengths: np.ndarray, chunk: int = 1 << 16) -> int:
+    """CRC-32 of ``",".join(map(str, lengths))`` (the resume check's value), a chunk at a time."""
+    crc = 0
+    for start in range(0, len(lengths), chunk):
+        text = ",".join(map(str, lengths[start : start + chunk].tolist()))
+        crc = zlib.crc32((text if start == 0 else "," + text).encode(), crc)
+    return crc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,12 +138,21 @@ class LengthBalancedSampler:
         shuffle: bool = True,
         drop_last: bool = False,
     ) -> None:
-        self.lengths: tuple[int, ...] = tuple(int(x) for x in lengths)
-        if not self.lengths:
+        # A read-only integer array, not copied when it is one already (a memory-mapped dataset's lengths
+        # stay file-backed): see [Note: sampler memory].
+        self.lengths: np.ndarray = np.asarray(lengths)
+        if not np.issubdtype(self.lengths.dtype, np.integer) or self.lengths.ndim != 1:
+            self.lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
+        self.lengths = self.lengths.view()
+        self.lengths.flags.writeable = False
+        if not len(self.lengths):
             raise ValueError("the dataset has no samples (lengths is empty)")
-        for i, length in enumerate(self.lengths):
-            if length < 1:
-                raise ValueError(f"sample {i} has length {length}; every sample needs >= 1 token")
+        short = np.flatnonzero(self.lengths < 1)
+        if len(short):
+            i = int(short[0])
+            raise ValueError(
+                f"sample {i} has length {self.lengths[i]}; every sample needs >= 1 token"
+            )
         if global_batch_size < 1:
             raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
         if dp_size < 1:
@@ -132,16 +168,17 @@ class LengthBalancedSampler:
                 f"drop_last with {len(self.lengths)} samples and global_batch_size "
                 f"{global_batch_size} leaves no minibatch"
             )
-        self.cap_tokens: int = max(self.lengths) if cap_tokens is None else int(cap_tokens)
+        self.cap_tokens: int = int(self.lengths.max()) if cap_tokens is None else int(cap_tokens)
         if self.cap_tokens < 1:
             raise ValueError(f"cap_tokens must be >= 1, got {cap_tokens}")
         if too_long == "error":
-            for i, length in enumerate(self.lengths):
-                if length > self.cap_tokens:
-                    raise ValueError(
-                        f"sample {i} has {length} tokens, more than cap_tokens={self.cap_tokens}; "
-                        "raise the cap or pass too_long='truncate' or 'alone'"
-                    )
+            over = np.flatnonzero(self.lengths > self.cap_tokens)
+            if len(over):
+                i = int(over[0])
+                raise ValueError(
+                    f"sample {i} has {self.lengths[i]} tokens, more than cap_tokens={self.cap_tokens}; "
+                    "raise the cap or pass too_long='truncate' or 'alone'"
+                )
         self.global_batch_size = global_batch_size
         self.dp_size = dp_size
         self.dp_rank = dp_rank
@@ -154,7 +191,8 @@ class LengthBalancedSampler:
         self._epoch = 0
         self._next_index = 0
         self._order_epoch: int | None = None
-        self._order: list[int] = []
+        self._order: np.ndarray = np.zeros(0, dtype=np.int64)
+        self._lengths_crc32 = _lengths_crc32(self.lengths)
 
     # Configuration and position #
 
@@ -211,7 +249,7 @@ class LengthBalancedSampler:
             "cap_tokens": self.cap_tokens,
             "cost_model": [float(self.cost_model.a), float(self.cost_model.b)],
             "too_long": self.too_long,
-            "lengths_crc32": zlib.crc32(",".join(map(str, self.lengths)).encode()),
+            "lengths_crc32": self._lengths_crc32,
         }
 
     def state_dict(self) -> dict:
@@ -271,24 +309,29 @@ class LengthBalancedSampler:
 
     # Plans #
 
-    def _cached_order(self, epoch: int) -> list[int]:
+    def _cached_order(self, epoch: int) -> np.ndarray:
         if self._order_epoch != epoch:
-            order = list(range(len(self.lengths)))
+            self._order = np.zeros(0, dtype=np.int64)  # free the old epoch's order first
+            num = len(self.lengths)
+            order = array.array("i" if num < 2**31 else "q", range(num))
             if self.shuffle:
-                random.Random(f"megatron_odc.sampler:{self.seed}:{epoch}").shuffle(order)
-            self._order, self._order_epoch = order, epoch
+                _shuffle(order, random.Random(f"megatron_odc.sampler:{self.seed}:{epoch}"))
+            self._order = np.frombuffer(
+                order, dtype=np.int32 if order.typecode == "i" else np.int64
+            )
+            self._order_epoch = epoch
         return self._order
 
     def epoch_order(self, epoch: int) -> list[int]:
         """Returns the sample order of ``epoch`` (a copy of the per-epoch cache)."""
-        return list(self._cached_order(epoch))
+        return self._cached_order(epoch).tolist()
 
     def minibatch_sample_ids(self, epoch: int, index: int) -> tuple[int, ...]:
         """Returns the samples of minibatch ``index`` of ``epoch``, all ranks."""
         if not 0 <= index < len(self):
             raise ValueError(f"minibatch index {index} is outside [0, {len(self)})")
         start = index * self.global_batch_size
-        return tuple(self._cached_order(epoch)[start : start + self.global_batch_size])
+        return tuple(self._cached_order(epoch)[start : start + self.global_batch_size].tolist())
 
     def assignment(self, epoch: int, index: int) -> MinibatchAssignment:
         """Returns minibatch ``index`` of ``epoch`` for this rank, without moving the position."""
@@ -296,7 +339,7 @@ class LengthBalancedSampler:
         plan = make_plan(
             self.plan_kind,
             sample_ids,
-            [self.lengths[i] for i in sample_ids],
+            self.lengths[list(sample_ids)].tolist(),
             self.dp_size,
             cap_tokens=self.cap_tokens,
             cost_model=self.cost_model,

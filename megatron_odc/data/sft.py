@@ -22,7 +22,9 @@ import math
 import os
 import random
 from collections.abc import Mapping, Sequence
+from typing import Protocol
 
+import numpy as np
 import torch
 
 from megatron_odc.data.tokenizer import ROLES
@@ -121,8 +123,17 @@ def _role_prefix_ids(tokenizer, role: str) -> list[int]:
     return list(prefix(role)) if prefix is not None else list(tokenizer.encode(f"<|{role}|>\n"))
 
 
-def tokenize_conversation(messages: Sequence[Mapping[str, str]], tokenizer) -> SFTSample:
-    """Tokenises a conversation and masks loss to the assistant turns.
+def _encode(tokenizer, text: str) -> np.ndarray:
+    fast = getattr(tokenizer, "encode_array", None)
+    if fast is not None:
+        return fast(text)
+    return np.asarray(tokenizer.encode(text), dtype=np.int64)
+
+
+def conversation_arrays(
+    messages: Sequence[Mapping[str, str]], tokenizer
+) -> tuple[np.ndarray, np.ndarray]:
+    """Tokenises a conversation and masks loss to the assistant turns: int64 ids and a bool mask.
 
     Without a chat template the layout is ``[bos] (role_prefix content [eos if assistant])*``, with
     loss on the assistant contents and their eos. With a chat template
@@ -134,15 +145,12 @@ def tokenize_conversation(messages: Sequence[Mapping[str, str]], tokenizer) -> S
         messages: ``{"role", "content"}`` dicts (see :func:`parse_record`).
         tokenizer: any object following :class:`megatron_odc.data.tokenizer.Tokenizer`.
 
-    Returns:
-        The :class:`SFTSample`.
-
     Raises:
         ValueError: the chat template is not prefix-stable.
     """
     if getattr(tokenizer, "has_chat_template", False):
         ids = tokenizer.encode_chat(messages, add_generation_prompt=False)
-        mask = [False] * len(ids)
+        mask = np.zeros(len(ids), dtype=bool)
         for i, msg in enumerate(messages):
             if msg["role"] != "assistant":
                 continue
@@ -154,51 +162,122 @@ def tokenize_conversation(messages: Sequence[Mapping[str, str]], tokenizer) -> S
                     "once later messages follow, so its loss span cannot be found; load the "
                     "tokenizer with use_chat_template=False"
                 )
-            mask[len(before) : len(upto)] = [True] * (len(upto) - len(before))
-    else:
-        bos_id = getattr(tokenizer, "bos_id", None)
-        ids = [bos_id] if bos_id is not None else []
-        mask = [False] * len(ids)
-        for msg in messages:
-            prefix = _role_prefix_ids(tokenizer, msg["role"])
-            content = list(tokenizer.encode(msg["content"]))
-            ids += prefix + content
-            mask += [False] * len(prefix)
-            if msg["role"] == "assistant":
-                ids.append(tokenizer.eos_id)
-                mask += [True] * (len(content) + 1)
-            else:
-                mask += [False] * len(content)
-    return SFTSample(torch.tensor(ids, dtype=torch.int64), torch.tensor(mask, dtype=torch.bool))
+            mask[len(before) : len(upto)] = True
+        return np.asarray(ids, dtype=np.int64), mask
+    bos_id = getattr(tokenizer, "bos_id", None)
+    pieces: list[np.ndarray] = [np.array([bos_id] if bos_id is not None else [], dtype=np.int64)]
+    masks: list[np.ndarray] = [np.zeros(len(pieces[0]), dtype=bool)]
+    for msg in messages:
+        prefix = np.asarray(_role_prefix_ids(tokenizer, msg["role"]), dtype=np.int64)
+        content = _encode(tokenizer, msg["content"])
+        pieces += [prefix, content]
+        masks.append(np.zeros(len(prefix), dtype=bool))
+        if msg["role"] == "assistant":
+            pieces.append(np.array([tokenizer.eos_id], dtype=np.int64))
+            masks.append(np.ones(len(content) + 1, dtype=bool))
+        else:
+            masks.append(np.zeros(len(content), dtype=bool))
+    return np.concatenate(pieces), np.concatenate(masks)
 
 
-def read_jsonl(path: str | os.PathLike[str]) -> list[tuple[int, list[dict[str, str]]]]:
+def tokenize_conversation(messages: Sequence[Mapping[str, str]], tokenizer) -> SFTSample:
+    """:func:`conversation_arrays` as an :class:`SFTSample`."""
+    ids, mask = conversation_arrays(messages, tokenizer)
+    return SFTSample(torch.from_numpy(ids), torch.from_numpy(mask))
+
+
+def parse_line(raw: bytes, where: str) -> list[dict[str, str]] | None:
+    """Decodes one raw JSONL line: its messages, or None for a blank line.
+
+    Raises:
+        ValueError: invalid UTF-8 (with the byte offset), invalid JSON, or not a valid record; the message
+            starts with ``where`` (``file:line``).
+    """
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{where}: invalid UTF-8 at byte {exc.start} of the line") from None
+    if not text.strip():
+        return None
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where}: invalid JSON: {exc.msg} (column {exc.colno})") from None
+    return parse_record(record, where)
+
+
+@dataclasses.dataclass
+class BadLines:
+    """Lines skipped with ``skip_bad_lines``: how many, and the first error (for the log)."""
+
+    count: int = 0
+    first_error: str | None = None
+
+    def add(self, error: ValueError) -> None:
+        self.count += 1
+        if self.first_error is None:
+            self.first_error = str(error)
+
+    def log(self, path: str) -> None:
+        if self.count:
+            logger.warning(
+                "%s: skipped %d bad line(s) (--skip-bad-lines); the first: %s",
+                path,
+                self.count,
+                self.first_error,
+            )
+
+
+def read_jsonl(
+    path: str | os.PathLike[str], *, skip_bad_lines: bool = False
+) -> list[tuple[int, list[dict[str, str]]]]:
     """Reads and validates an SFT JSONL file.
+
+    Args:
+        path: the file.
+        skip_bad_lines: skip (and count, in one warning) lines that are not valid UTF-8, not valid
+            JSON or not a valid record, instead of failing on the first.
 
     Returns:
         ``(line_number, messages)`` per non-blank line, line numbers starting at 1.
 
     Raises:
-        ValueError: the file is missing or empty, or a line is not valid JSON or not a valid record
-            (the message names the file and line).
+        ValueError: the file is missing or holds no sample, or a line is bad and ``skip_bad_lines`` is
+            off (the message names the file and line).
     """
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ValueError(f"SFT data file {path!r} does not exist")
     records = []
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{line_number}"
+    bad = BadLines()
+    with open(path, "rb") as f:
+        for line_number, raw in enumerate(f, start=1):
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{where}: invalid JSON: {exc.msg}") from exc
-            records.append((line_number, parse_record(record, where)))
+                messages = parse_line(raw, f"{path}:{line_number}")
+            except ValueError as exc:
+                if not skip_bad_lines:
+                    raise ValueError(f"{exc}; fix the line or pass --skip-bad-lines") from None
+                bad.add(exc)
+                continue
+            if messages is not None:
+                records.append((line_number, messages))
+    bad.log(path)
     if not records:
         raise ValueError(f"SFT data file {path!r} holds no samples")
     return records
+
+
+class SFTSamples(Protocol):
+    """What packing and the loss normalisation read from a dataset: :class:`SFTDataset` (JSONL) or
+    :class:`~megatron_odc.data.indexed_sft.IndexedSFTDataset` (preprocessed, memory-mapped)."""
+
+    lengths: Sequence[int]
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> SFTSample: ...
+
+    def loss_token_count(self, index: int, length: int | None = None) -> int: ...
 
 
 class SFTDataset:
@@ -208,6 +287,7 @@ class SFTDataset:
         path: the JSONL file (see the module docstring for the formats).
         tokenizer: a :class:`megatron_odc.data.tokenizer.Tokenizer`.
         max_length: when set, samples are cut to their first ``max_length`` tokens.
+        skip_bad_lines: see :func:`read_jsonl`.
 
     Attributes:
         lengths: tokens per sample (after ``max_length``); feed it to the sampler.
@@ -215,7 +295,14 @@ class SFTDataset:
         line_numbers: the JSONL line of each sample.
     """
 
-    def __init__(self, path: str | os.PathLike[str], tokenizer, max_length: int | None = None):
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        tokenizer,
+        max_length: int | None = None,
+        *,
+        skip_bad_lines: bool = False,
+    ):
         if max_length is not None and max_length < 2:
             raise ValueError(f"max_length must be at least 2 tokens, got {max_length}")
         self.path = os.fspath(path)
@@ -224,7 +311,7 @@ class SFTDataset:
         self._samples: list[SFTSample] = []
         self.line_numbers: list[int] = []
         num_truncated = 0
-        for line_number, messages in read_jsonl(self.path):
+        for line_number, messages in read_jsonl(self.path, skip_bad_lines=skip_bad_lines):
             sample = tokenize_conversation(messages, tokenizer)
             if max_length is not None and len(sample) > max_length:
                 sample = sample.truncate(max_length)

@@ -14,6 +14,7 @@ import math
 import os
 
 from megatron_odc.core.fp8 import FP8_FORMATS, FP8_RECIPES, check_fp8_flags
+from megatron_odc.data.indexed_sft import is_indexed_sft, sidecar_path
 from megatron_odc.mcore.config import refuse_unsupported
 from megatron_odc.runner.odc_flags import add_odc_arguments, resolve_odc_args
 
@@ -198,10 +199,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--data-path",
         nargs="+",
         default=None,
-        help="with --sft: one JSONL file; without --sft: Megatron indexed datasets for pretraining, "
+        help="SFT: one JSONL file (with --sft) or a prefix written by python -m "
+        "megatron_odc.data.preprocess (detected); pretraining: Megatron indexed datasets "
         "'[W1] PREFIX1 [W2 PREFIX2 ...]' (PREFIX.bin / PREFIX.idx)",
     )
-    data.add_argument("--sft", action="store_true", help="SFT on a JSONL file of conversations")
+    data.add_argument(
+        "--sft",
+        action="store_true",
+        help="SFT on a JSONL file of conversations (a preprocessed prefix is detected without it)",
+    )
+    data.add_argument(
+        "--skip-bad-lines",
+        action="store_true",
+        help="SFT JSONL: skip and count lines that are not valid UTF-8 / JSON / records",
+    )
     data.add_argument(
         "--split",
         default="969,30,1",
@@ -464,15 +475,22 @@ def _check_data(args: argparse.Namespace) -> None:
         if args.sft:
             raise ValueError("--sft needs --data-path FILE.jsonl (omit both for the built-in set)")
         args.sft = True
+    elif len(args.data_path) == 1 and is_indexed_sft(args.data_path[0]):
+        args.sft = True  # preprocessed SFT data (python -m megatron_odc.data.preprocess)
     elif not args.sft:
         _check_pretraining_data(args)
     else:
         if len(args.data_path) != 1:
             raise ValueError(
-                f"--data-path with --sft takes one JSONL file, got {len(args.data_path)} paths"
+                f"--data-path with --sft takes one JSONL file or preprocessed prefix, got "
+                f"{len(args.data_path)} paths"
             )
         if not os.path.isfile(args.data_path[0]):
-            raise ValueError(f"--data-path {args.data_path[0]!r} is not a file")
+            raise ValueError(
+                f"--data-path {args.data_path[0]!r} is neither a JSONL file nor a preprocessed SFT "
+                f"prefix (no {sidecar_path(args.data_path[0])}; see python -m "
+                "megatron_odc.data.preprocess)"
+            )
     if args.tokenizer_type is None:
         args.tokenizer_type = (
             "HuggingFaceTokenizer" if args.tokenizer_model is not None else "ByteTokenizer"

@@ -35,11 +35,13 @@ from megatron_odc.data import (
     MinibatchAssignment,
     PackedMicrobatch,
     SFTDataset,
+    SFTSamples,
     load_microbatch,
     load_tokenizer,
     make_synthetic_sft,
     pack_microbatch,
 )
+from megatron_odc.data.indexed_sft import IndexedSFTDataset, is_indexed_sft
 from megatron_odc.mcore.datasets import gpt_pretraining_dataset
 
 logger = logging.getLogger(__name__)
@@ -87,7 +89,17 @@ class DataPipeline:
             pad_multiple = math.lcm(PAD_MULTIPLE, args.tensor_model_parallel_size)
         if args.sft:
             self.data_path = args.data_path[0] if args.data_path else synthetic_data_path(args)
-            dataset = SFTDataset(self.data_path, self.tokenizer, max_length=args.seq_length)
+            if is_indexed_sft(self.data_path):
+                dataset = IndexedSFTDataset(
+                    self.data_path, self.tokenizer, max_length=args.seq_length
+                )
+            else:
+                dataset = SFTDataset(
+                    self.data_path,
+                    self.tokenizer,
+                    max_length=args.seq_length,
+                    skip_bad_lines=args.skip_bad_lines,
+                )
             self.lengths: Sequence[int] = dataset.lengths
             self._prepare_batches = functools.partial(
                 pack_assignment,
@@ -226,7 +238,7 @@ def synthetic_data_path(args: argparse.Namespace) -> str:
 
 def pack_assignment(
     assignment: MinibatchAssignment,
-    dataset: SFTDataset,
+    dataset: SFTSamples,
     *,
     pad_id: int,
     seq_length: int,

@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from megatron_odc.core.fp8 import transformer_engine_available
+from megatron_odc.data.preprocess import preprocess
 from megatron_odc.runner.arguments import build_parser, validate_args
 from tests._dist import run_ranks
 
@@ -281,6 +282,13 @@ def _run_backends(rank: int, world_size: int, workdir: str) -> dict[str, dict[in
         "distopt local_sort": ["--dp-backend", "distopt", "--balance", "local_sort"],
     }
     results = {name: _train_losses([*common, *extra]) for name, extra in runs.items()}
+    # The same JSONL preprocessed once (python -m megatron_odc.data.preprocess): the same samples.
+    (jsonl,) = Path(workdir, "runs", "cpu-default").glob("synthetic_sft_*.jsonl")
+    sft_prefix = os.path.join(workdir, "sft")
+    if rank == 0:
+        preprocess(str(jsonl), sft_prefix, workers=0, progress=False)
+    dist.barrier()
+    results["odc lb_mini preprocessed"] = _train_losses([*common, "--data-path", sft_prefix])
     prefix = os.path.join(workdir, "docs")
     if rank == 0:
         _write_indexed_dataset(prefix, num_docs=60)
@@ -294,6 +302,12 @@ def _run_backends(rank: int, world_size: int, workdir: str) -> dict[str, dict[in
 def test_backends_and_plans_train_the_same_model(tmp_path):
     results = run_ranks(_run_backends, 2, str(tmp_path), timeout_s=150)
     assert results[0] == results[1], "ranks disagree on the global loss"
+    # Preprocessed data trains on exactly the samples of its JSONL file (shm accumulates in arrival order,
+    # so two runs agree to fp32 rounding, not bitwise).
+    preprocessed, jsonl = results[0]["odc lb_mini preprocessed"], results[0]["odc lb_mini"]
+    assert sorted(preprocessed) == sorted(jsonl)
+    for it, loss in jsonl.items():
+        assert preprocessed[it] == pytest.approx(loss, rel=1e-6, abs=0.0), it
     for reference_name, pretraining in (("odc lb_mini", False), ("pretrain odc", True)):
         reference = results[0][reference_name]
         # A fresh model predicts almost uniformly over the padded byte vocabulary (384).
