@@ -1,14 +1,25 @@
 """The shared-memory transport: one-sided get and accumulate between the ranks of one host.
 
 Every rank's shard of every buffer is a file in ``shm_dir`` (``/dev/shm`` by default) that every rank of the
-group maps with ``torch.from_file(shared=True)``. ``get`` is a ``copy_`` out of the peer's mapping and
+group maps (``mmap``, shared). ``get`` is a ``copy_`` out of the peer's mapping and
 ``accumulate`` an ``add_`` into it; the owner does nothing. Concurrent accumulates are made safe by striped
 Linux OFD byte-range locks (one lock byte per stripe of ``lock_stripe_nbytes`` of each owner's shard), which
 the kernel releases if the holder dies. ``fence`` is a barrier on a small shared control block (one epoch
 and one pid slot per rank) rather than on gloo, so that it can name a dead or missing peer.
 
-Every file is unlinked as soon as all ranks have mapped it, so a crashed run leaves nothing behind; file
-names carry the creator's pid, and rank 0 removes files of dead creators at construction.
+Every file is unlinked as soon as all ranks have mapped it, so a crashed run leaves nothing behind after
+its set-up. See [Note: shared-memory files] for what makes a file trustworthy and how stale ones go.
+
+[Note: shared-memory files]
+- A file is created exclusively (``O_EXCL``) and starts with a one-page header: magic, the job's run id, the
+  file's role and its payload size. A mapper opens it without ``O_CREAT`` (a missing file is an error, never
+  silently created as ``torch.from_file`` would) and checks the header and the size before mapping the
+  payload, so a deleted, truncated or foreign file fails the set-up on every rank, naming the file.
+- The creator holds an OFD read lock on one byte far beyond any stripe lock (:data:`_LIVENESS_BYTE`) for as
+  long as the file exists. :func:`remove_stale_files` (rank 0, at start-up) removes a file only when nobody
+  holds that lock and it is older than :data:`_STALE_GRACE_S`: liveness is decided by the kernel's lock,
+  valid across pid namespaces, not by the pid in the name. A set-up killed half-way thus leaves files that
+  the next job on the host, in any namespace, removes safely.
 
 This module owns the ``ShmTransport`` class and its file naming. It imports no megatron module.
 """
@@ -21,6 +32,7 @@ import errno
 import fcntl
 import functools
 import logging
+import mmap
 import os
 import re
 import socket
@@ -53,6 +65,13 @@ FILE_PREFIX = "megatron_odc-"
 
 _STALE_NAME = re.compile(r"^megatron_odc-p(\d+)-")
 _FLOCK_FORMAT = "hhqqi4x"  # struct flock on Linux/x86-64 and aarch64: type, whence, start, len, pid
+_LIVENESS_BYTE = 1 << 62
+"""The byte its creator keeps read-locked while a file exists (stripe locks use bytes from 0 up)."""
+_STALE_GRACE_S = 2.0
+"""An unlocked file younger than this is left alone (its creator may be between create and lock)."""
+_MAGIC = b"MEGATRON_ODC_SHM"
+_HEADER_NBYTES = 4096
+_HEADER_FORMAT = "<16s32s64sq"  # magic, run id, role, payload bytes
 _FENCE_SLEEP_START_S = 50e-6
 _FENCE_SLEEP_CAP_S = 2e-3
 _LIVENESS_PERIOD_S = 0.1
@@ -77,8 +96,33 @@ def _pid_alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+def _lock_liveness(fd: int) -> None:
+    """Marks the file of ``fd`` as held by a live creator (see [Note: shared-memory files])."""
+    fcntl.fcntl(
+        fd, fcntl.F_OFD_SETLK, struct.pack(_FLOCK_FORMAT, fcntl.F_RDLCK, 0, _LIVENESS_BYTE, 1, 0)
+    )
+
+
+def _liveness_held(path: str) -> bool:
+    """Whether some process holds the liveness lock of ``path`` (False if the file is gone)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        probe = struct.pack(_FLOCK_FORMAT, fcntl.F_WRLCK, 0, _LIVENESS_BYTE, 1, 0)
+        found = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, probe)
+        return struct.unpack(_FLOCK_FORMAT, found)[0] != fcntl.F_UNLCK
+    finally:
+        os.close(fd)
+
+
 def remove_stale_files(shm_dir: str | os.PathLike[str]) -> list[str]:
-    """Remove ``megatron_odc-*`` files in ``shm_dir`` whose creator process no longer exists.
+    """Remove ``megatron_odc-*`` files in ``shm_dir`` that no live creator holds.
+
+    A file is stale when nobody holds its liveness lock and it is older than ``_STALE_GRACE_S`` (see
+    [Note: shared-memory files]); the pid in its name is not consulted, so a job in another pid namespace
+    never loses its files.
 
     Args:
         shm_dir: the shared-memory directory to clean.
@@ -87,14 +131,18 @@ def remove_stale_files(shm_dir: str | os.PathLike[str]) -> list[str]:
         The names of the files removed.
     """
     removed = []
+    now = time.time()
     with os.scandir(shm_dir) as entries:
         for entry in entries:
-            match = _STALE_NAME.match(entry.name)
-            if match is None or _pid_alive(int(match.group(1))):
+            if _STALE_NAME.match(entry.name) is None:
                 continue
-            with contextlib.suppress(FileNotFoundError):
+            try:
+                if now - entry.stat().st_mtime < _STALE_GRACE_S or _liveness_held(entry.path):
+                    continue
                 os.unlink(entry.path)
-                removed.append(entry.name)
+            except FileNotFoundError:
+                continue
+            removed.append(entry.name)
     if removed:
         logger.info("removed %d stale shared-memory file(s) in %s", len(removed), shm_dir)
     return removed
@@ -149,7 +197,7 @@ class ShmTransport(Transport):
         self.timeout_s = float(timeout_s)
         self.lock_stripe_nbytes = int(lock_stripe_nbytes)
         self._pid = os.getpid()
-        self._created: set[Path] = set()  # files this rank created that may still exist
+        self._created: dict[Path, int] = {}  # files this rank created that may still exist -> fd
         self._peer_views: dict[str, list[torch.Tensor]] = {}
         self._peer_arrays: dict[str, list[np.ndarray]] = {}  # numpy views of the fp32 ones
         self._lock_base: dict[str, int] = {}  # first lock byte of each buffer
@@ -189,15 +237,12 @@ class ShmTransport(Transport):
         try:
             if socket.gethostname() != host0:
                 raise OSError(f"rank 0 is on host {host0!r}, this rank on {socket.gethostname()!r}")
-            # Open the lock file first: it fails if the files are absent, whereas from_file would
-            # create a new control file.
+            # Neither open creates a file: both fail if rank 0's files are absent.
             self._lock_fd = os.open(lock_path, os.O_RDWR)
             self._fds.append(self._lock_fd)
-            self._ctrl = torch.from_file(
-                str(ctrl_path), shared=True, size=2 * self.world_size, dtype=torch.int64
-            )
+            self._ctrl = self._map(ctrl_path, "ctrl", 2 * self.world_size, torch.int64)
             self._ctrl[self.world_size + self.rank] = self._pid
-        except (OSError, RuntimeError) as exc:
+        except (OSError, RuntimeError, TransportError) as exc:
             error = (
                 f"rank {self.rank} could not open the shared control files in {self.shm_dir}: {exc}"
             )
@@ -232,8 +277,8 @@ class ShmTransport(Transport):
         ctrl_path = self._path(run_id, "ctrl")
         lock_path = self._path(run_id, "lock")
         try:
-            self._create_file(ctrl_path, 2 * self.world_size * 8)
-            self._create_file(lock_path, 0)
+            self._create_file(ctrl_path, "ctrl", 2 * self.world_size * 8, run_id)
+            self._create_file(lock_path, None, 0, run_id)
         except OSError as exc:
             self._unlink_created()
             return f"could not create {str(exc.filename or ctrl_path)!r} in shm_dir: {exc.strerror}"
@@ -242,21 +287,52 @@ class ShmTransport(Transport):
     def _path(self, run_id: str, what: str) -> Path:
         return self.shm_dir / f"{FILE_PREFIX}p{self._pid}-{run_id}-{what}"
 
-    def _create_file(self, path: Path, nbytes: int) -> None:
-        """Create ``path`` with ``nbytes`` zero bytes, reserving tmpfs pages now (ENOSPC here, not SIGBUS)."""
+    def _create_file(self, path: Path, role: str | None, nbytes: int, run_id: str) -> None:
+        """Create ``path`` exclusively, lock its liveness byte, reserve its tmpfs pages (ENOSPC here, not
+        SIGBUS) and, when it has a ``role``, write the header of a ``nbytes`` zero payload."""
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        self._created.add(path)
+        self._created[path] = fd
+        _lock_liveness(fd)
+        if role is None:
+            return
+        os.posix_fallocate(fd, 0, _HEADER_NBYTES + nbytes)
+        header = struct.pack(_HEADER_FORMAT, _MAGIC, run_id.encode(), role.encode(), nbytes)
+        os.pwrite(fd, header, 0)
+
+    def _map(self, path: Path | str, role: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Map the payload of an existing file of this job, after checking its header and size.
+
+        Raises:
+            TransportError: the file is missing, or is not this job's ``role`` file of this size.
+        """
+        nbytes = numel * dtype.itemsize
         try:
-            if nbytes:
-                os.posix_fallocate(fd, 0, nbytes)
+            fd = os.open(path, os.O_RDWR)  # no O_CREAT: a missing file is an error
+        except FileNotFoundError:
+            raise TransportError(f"shared-memory file {str(path)!r} is missing") from None
+        try:
+            size = os.fstat(fd).st_size
+            header = os.pread(fd, struct.calcsize(_HEADER_FORMAT), 0)
+            expected = struct.pack(
+                _HEADER_FORMAT, _MAGIC, self.run_id.encode(), role.encode(), nbytes
+            )
+            if size != _HEADER_NBYTES + nbytes or header != expected:
+                raise TransportError(
+                    f"shared-memory file {str(path)!r} is not this job's {role!r} file of {nbytes} "
+                    f"bytes (size {size}, header {header[:16]!r}...)"
+                )
+            mapping = mmap.mmap(fd, size)
         finally:
             os.close(fd)
+        return torch.frombuffer(mapping, dtype=dtype, count=numel, offset=_HEADER_NBYTES)
 
     def _unlink_created(self) -> None:
-        for path in list(self._created):
+        for path, fd in list(self._created.items()):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-            self._created.discard(path)
+            with contextlib.suppress(OSError):
+                os.close(fd)  # after the unlink: the file never exists without its lock
+            del self._created[path]
 
     # ------------------------------------------------------------------ protocol
 
@@ -265,12 +341,13 @@ class ShmTransport(Transport):
         path = self._path(self.run_id, f"b{index}-r{self.rank}")
         local: torch.Tensor | None = None
         error = None
+        role = f"b{index}-r{self.rank}"
         if spec.numel:
             try:
                 # posix_fallocate leaves the new file zero-filled, so the mapping needs no zero_().
-                self._create_file(path, spec.numel * spec.dtype.itemsize)
-                local = torch.from_file(str(path), shared=True, size=spec.numel, dtype=spec.dtype)
-            except (OSError, RuntimeError) as exc:
+                self._create_file(path, role, spec.numel * spec.dtype.itemsize, self.run_id)
+                local = self._map(path, role, spec.numel, spec.dtype)
+            except (OSError, RuntimeError, TransportError) as exc:
                 error = f"rank {self.rank} could not create and map {str(path)!r}: {exc}"
         else:
             local = torch.empty(0, dtype=spec.dtype)
@@ -291,10 +368,8 @@ class ShmTransport(Transport):
                     views.append(torch.empty(0, dtype=spec.dtype))
                     continue
                 try:
-                    views.append(
-                        torch.from_file(peer_path, shared=True, size=spec.numel, dtype=spec.dtype)
-                    )
-                except (OSError, RuntimeError) as exc:
+                    views.append(self._map(peer_path, f"b{index}-r{peer}", spec.numel, spec.dtype))
+                except (OSError, RuntimeError, TransportError) as exc:
                     error = f"rank {self.rank} could not map rank {peer}'s {peer_path!r}: {exc}"
                     break
             # Barrier: once every rank has mapped every file, the owners unlink theirs.

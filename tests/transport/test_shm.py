@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_odc.transport import TransportError, build_transport
-from megatron_odc.transport.shm import ShmTransport
+from megatron_odc.transport.shm import ShmTransport, _lock_liveness
 from tests._dist import SHM_ROOT, RankFailureError, run_ranks
 from tests.transport._cases import mismatched_registrations
 
@@ -209,18 +209,31 @@ def _check_two_jobs_and_close(rank: int, world_size: int, shm_dir: str) -> None:
 
 def _run_main(rank: int, world_size: int, dead_pid: int) -> None:
     shm_dir = os.environ["MEGATRON_ODC_SHM_DIR"]
-    stale = Path(shm_dir, f"megatron_odc-p{dead_pid}-deadbeef-b0-r3")
-    live = Path(shm_dir, f"megatron_odc-p{os.getpid()}-cafe-b0-r0")
+    # Liveness is the creator's lock, not the pid in the name (see [Note: shared-memory files]): an
+    # unlocked old file goes even when its name carries a live pid; a locked one stays even when its pid
+    # does not exist here (a job in another pid namespace); an unlocked young one stays (grace period).
+    stale = Path(shm_dir, f"megatron_odc-p{os.getpid()}-deadbeef-b0-r3")
+    other_namespace = Path(shm_dir, f"megatron_odc-p{dead_pid}-cafe-b0-r0")
+    young = Path(shm_dir, f"megatron_odc-p{dead_pid}-f00d-b0-r0")
+    held = -1
     if rank == 0:
         stale.write_bytes(b"x" * 64)
-        live.write_bytes(b"y")
+        os.utime(stale, (time.time() - 60, time.time() - 60))
+        other_namespace.write_bytes(b"y")
+        os.utime(other_namespace, (time.time() - 60, time.time() - 60))
+        held = os.open(other_namespace, os.O_RDWR)
+        _lock_liveness(held)
+        young.write_bytes(b"z")
     dist.barrier()
     t = ShmTransport(lock_stripe_nbytes=STRIPE_SMALL_NBYTES)
     assert (t.rank, t.world_size) == (rank, world_size)
     if rank == 0:
         assert not stale.exists()
-        assert live.exists()
-        live.unlink()
+        assert other_namespace.exists()
+        assert young.exists()
+        other_namespace.unlink()
+        young.unlink()
+        os.close(held)
     _assert_no_files(shm_dir)
 
     t.register("acc", SHARD_NUMEL, torch.float32)
@@ -321,6 +334,44 @@ def test_dead_peer_is_named_and_nothing_leaks(tmp_path: Path) -> None:
         assert os.listdir(shm_dir) == []
     finally:
         shutil.rmtree(shm_dir, ignore_errors=True)
+
+
+class _Sabotaged(ShmTransport):
+    """Rank 1 damages its own buffer file right after mapping it, before its peers map it."""
+
+    damage = "delete"
+
+    def _map(self, path, role, numel, dtype):
+        view = super()._map(path, role, numel, dtype)
+        if self.rank == 1 and role == "b0-r1":
+            if self.damage == "delete":
+                os.unlink(path)
+            else:  # a same-size file of another job
+                with open(path, "r+b") as f:
+                    f.seek(16)
+                    f.write(b"0" * 32)
+        return view
+
+
+def _run_sabotage(rank: int, world_size: int, damage: str) -> None:
+    del world_size
+    shm_dir = os.environ["MEGATRON_ODC_SHM_DIR"]
+    _Sabotaged.damage = damage
+    t = _Sabotaged(lock_stripe_nbytes=STRIPE_SMALL_NBYTES)
+    expected = "is missing" if damage == "delete" else "is not this job's 'b0-r1' file"
+    with pytest.raises(
+        TransportError, match=rf"buffer 'acc': rank 0 could not map rank 1's .*{expected}"
+    ):
+        t.register("acc", 1000, torch.float32)
+    t.close()
+    _assert_no_files(shm_dir)
+    del rank
+
+
+@pytest.mark.parametrize("damage", ["delete", "foreign"])
+def test_a_deleted_or_foreign_file_fails_the_setup_on_every_rank(damage: str) -> None:
+    # torch.from_file(shared=True) used to create a missing peer file: both ranks then trained on zeros.
+    run_ranks(_run_sabotage, 2, damage, timeout_s=120)
 
 
 def test_build_transport_names() -> None:
