@@ -4,17 +4,31 @@ Spawns two CPU ranks (gloo through a file store, one torch thread each), builds 
 (``odc`` over the shared-memory transport, ``fsdp`` = the same engine over the collective transport, ``ddp`` =
 megatron-core's DDP) and trains them, interleaved, on the same SFT-like minibatches of random tokens:
 
-====================  ===============================================================================
-configuration         what runs
-====================  ===============================================================================
-``fsdp+lb_micro``     lockstep ZeRO-3 with the microbatch-level balancer (the baseline of every ratio)
-``fsdp+local_sort``   lockstep ZeRO-3, one sample per microbatch sorted by length (LongAlign's policy)
-``odc+lb_micro``      ODC with the same plan as the baseline (the communication change alone)
-``odc+lb_mini``       ODC with the minibatch-level balancer (uneven microbatch counts)
-``odc-all+lb_mini``   the same with ``--odc-unsharded-budget all`` (one fetch and one push per unit per
-                      minibatch; unsharded state kept from first use to the fence)
-``ddp+lb_mini``       replicated parameters (megatron-core DDP): the memory upper bound
-====================  ===============================================================================
+==============================  =======================================================================
+configuration                   what runs
+==============================  =======================================================================
+``fsdp+lb_micro``               lockstep ZeRO-3 with the microbatch-level balancer (the baseline of every ratio)
+``fsdp+local_sort``             lockstep ZeRO-3, one sample per microbatch sorted by length (LongAlign's policy)
+``odc+lb_micro``                ODC with the same plan as the baseline (the communication change alone)
+``odc+lb_mini``                 ODC with the minibatch-level balancer (uneven microbatch counts)
+``odc-all+lb_mini``             the same with ``--odc-unsharded-budget all`` (one fetch and one push per unit per
+                                minibatch; unsharded state kept from first use to the fence)
+``ddp+lb_mini``                 replicated parameters (megatron-core DDP): the memory upper bound
+``fsdp2+lb_micro``              PyTorch FSDP2 (``fully_shard`` per TransformerLayer and the root, reshard after
+                                forward), the same plan as the baseline, no gradient sync until the last
+                                microbatch
+``fsdp2-noreshard+lb_micro``    the same with ``reshard_after_forward=False`` and no reshard after
+                                backward until the last microbatch (each unit all-gathered once per minibatch)
+==============================  =======================================================================
+
+The FSDP2 rows are the same GPT (same seed) in fp32, rounded to bf16 when ``--dtype bf16`` (the initial
+weights of the other rows' bf16 parameters), wrapped with ``fully_shard(mp_policy=MixedPrecisionPolicy(
+param_dtype=<--dtype>, reduce_dtype=fp32))``; ``torch.optim.AdamW`` with the settings megatron's optimizer runs with here (lr
+1e-4, betas 0.9/0.999, eps 1e-8, weight decay 0.01 on every parameter, as no scheduler applies megatron's
+``wd_mult``) and ``clip_grad_norm_(1.0)``. A plain loop over the rank's microbatches runs the model forward, the same
+per-token loss sum, divided by the loss tokens of the whole global minibatch (known to every rank from the
+plan), and ``backward``; FSDP2 sums the gradients over ranks (divide factor 1), so the gradients equal
+megatron's per-token ones.
 
 [Note: workload]
 Sample lengths are drawn (seeded) from a profile of ``length_profiles.json`` and divided by ``--length-scale``
@@ -34,13 +48,20 @@ FLOP model, 54-66% in fits of measured times), as for the paper's 1.5B at 64K (6
 - Busy/idle per rank: ``odc``/``fsdp``: idle = fetch wait + push + fence time of the engine telemetry
   (for ``fsdp`` these are the blocking collectives, which include waiting for the slower rank; for ``odc``
   they are shared-memory copies plus the per-minibatch fence); ``ddp``: idle = time inside
-  ``finalize_model_grads`` (the gradient all-reduce, which waits for the slower rank). busy = step - idle.
+  ``finalize_model_grads`` (the gradient all-reduce, which waits for the slower rank); ``fsdp2*``: idle =
+  time inside FSDP2's all-gathers (``unshard`` / ``wait_for_unshard``) and gradient reductions
+  (``post_backward`` / ``finalize_backward``, which include waiting for the slower rank and FSDP2's copies).
+  busy = step - idle.
 - Memory per rank, in bytes, never RSS: ``state_nbytes`` = persistent model/optimizer state (unique
   storages of parameters, gradient buffers, engine shards and accumulators, fp32 main shards and optimizer
   state) + ``unsharded_peak_nbytes`` (peak of the engine's unsharded parameter and gradient buffers,
   sampled after each fetch and at each backward start); ``activation_peak_nbytes`` = the largest sum over one
   microbatch of the unique storages saved for backward (autograd saved-tensor hooks, parameters excluded);
-  ``peak_nbytes`` = the sum of the two.
+  ``peak_nbytes`` = the sum of the two. ``fsdp2*``: persistent = local shards of parameters, gradients and
+  AdamW state; unsharded peak = unique storages of FSDP2's unsharded parameters (all-gather outputs) and
+  unsharded / accumulated gradients, sampled around each all-gather and gradient reduction (for
+  ``fsdp2-noreshard`` it reaches the whole model, plus the unsharded gradients kept between
+  microbatches); ``None`` if FSDP2's internals cannot be read.
 
 Usage::
 
@@ -49,7 +70,8 @@ Usage::
         [--json] [--out results.json] [--timeline timeline.json]
 
 ``--json`` writes one JSON object per (profile, minibatch, configuration) line. ``--quick`` runs longalign,
-minibatch 4, 5 repeats (about 1.5 minutes on an idle 2-core machine) and writes the ratio of ``odc+lb_mini`` to ``fsdp+lb_micro``.
+minibatch 4, 5 repeats (about 2.5 minutes on an idle 2-core machine) and writes the ratios of
+``odc+lb_mini`` to ``fsdp+lb_micro`` and to ``fsdp2+lb_micro``.
 """
 
 from __future__ import annotations
@@ -96,8 +118,16 @@ CONFIGS = (
     ("odc", "lb_mini"),
     ("odc-all", "lb_mini"),
     ("ddp", "lb_mini"),
+    ("fsdp2", "lb_micro"),
+    ("fsdp2-noreshard", "lb_micro"),
 )
 BASELINE = "fsdp+lb_micro"
+FSDP2_BACKENDS = {"fsdp2": True, "fsdp2-noreshard": False}
+"""PyTorch FSDP2 backends and their ``reshard_after_forward``."""
+LOCKSTEP_BACKENDS = ("fsdp", *FSDP2_BACKENDS)
+"""Backends whose plan bubble is the lockstep one."""
+#: megatron's OptimizerConfig of every row (Adam = torch AdamW, betas 0.9/0.999, eps 1e-8 by default).
+OPTIMIZER = {"lr": 1e-4, "weight_decay": 0.01, "clip_grad": 1.0}
 ODC_VARIANTS = {"odc-all": {"unsharded_budget": "all"}}
 """Benchmark backends that are ``odc`` with other ODCConfig options (``--odc-unsharded-budget all``:
 every unit fetched once and pushed once per minibatch)."""
@@ -193,6 +223,52 @@ def build_model(seed: int, seq_length: int, dtype: str = "fp32") -> torch.nn.Mod
     return Float16Module(model.config, model) if bf16 else model
 
 
+def build_fsdp2(
+    seq_length: int, dtype: str, reshard_after_forward: bool, seed: int = 1
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """The GPT of :func:`build_model` under PyTorch FSDP2, with its AdamW (needs the default process group).
+
+    The model is built in fp32 with the other rows' seed (rounded to bf16 first when ``dtype="bf16"``, so
+    the fp32 sharded parameters start at the bf16 rows' weights); ``fully_shard`` wraps each
+    TransformerLayer and then the root, with ``MixedPrecisionPolicy(param_dtype=<dtype>,
+    reduce_dtype=fp32)`` and ``reshard_after_forward`` on every module. Gradients are summed over ranks
+    (divide factor 1, plain SUM reductions, which gloo supports): the loss is already divided by the global loss-token count. The optimizer is
+    ``torch.optim.AdamW`` with the other rows' effective :data:`OPTIMIZER` settings (weight decay on every
+    parameter: megatron's ``wd_mult=0`` for biases is applied only by a scheduler, which none of the rows
+    has).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    model = build_model(seed=seed, seq_length=seq_length, dtype="fp32")
+    if dtype != "fp32":
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(DTYPES[dtype]).float())
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=DTYPES[dtype], reduce_dtype=torch.float32)
+    kwargs = {"mesh": mesh, "mp_policy": policy, "reshard_after_forward": reshard_after_forward}
+    for layer in model.decoder.layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(model, **kwargs)
+    for module in model.modules():
+        if hasattr(module, "set_gradient_divide_factor"):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM / AVG
+    # megatron's param groups give biases and 1-D parameters wd_mult 0, but only an
+    # OptimizerParamScheduler applies wd_mult; the other rows run without one, so every parameter decays.
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=OPTIMIZER["lr"],
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=OPTIMIZER["weight_decay"],
+    )
+    return model, optimizer
+
+
 # ---------------------------------------------------------------------------------------- data
 
 
@@ -244,6 +320,28 @@ def build_microbatches(
             }
         )
     return out
+
+
+def loss_tokens(
+    plan_microbatches: Sequence[Sequence[int]], lengths: dict[int, int], vocab_size: int
+) -> int:
+    """Loss tokens of planned microbatches, packed as :func:`build_microbatches` packs them."""
+    from megatron_odc.data.packing import pack_microbatch
+
+    total = 0
+    for mb in plan_microbatches:
+        samples = [_sample(sid, lengths[sid], vocab_size) for sid in mb]
+        if samples:
+            total += int(pack_microbatch(samples, pad_to=None, pad_id=0).loss_mask.sum())
+    return total
+
+
+def global_loss_tokens(plan: Any, world_size: int, vocab_size: int) -> int:
+    """Loss tokens of the whole global minibatch of ``plan`` (every rank computes the same number)."""
+    lengths = dict(plan.lengths)
+    return sum(
+        loss_tokens(plan.rank_microbatches(r), lengths, vocab_size) for r in range(world_size)
+    )
 
 
 # ---------------------------------------------------------------------------------------- probes
@@ -408,23 +506,196 @@ def _make_forward_step(probe: Probe):
     return forward_step
 
 
+def _fsdp2_param_groups(model: torch.nn.Module) -> list[Any]:
+    """FSDP2's parameter groups of every ``fully_shard`` module in ``model`` (FSDP2 internals)."""
+    groups = []
+    for module in model.modules():
+        get_state = getattr(module, "_get_fsdp_state", None)
+        if get_state is not None:
+            groups.extend(get_state()._fsdp_param_groups)
+    return groups
+
+
+def fsdp2_unsharded_nbytes(model: torch.nn.Module) -> int:
+    """Bytes of FSDP2's live unsharded parameters (all-gather outputs) and unsharded gradients.
+
+    Unique storages of every FSDP parameter's all-gather outputs, unsharded parameter, its ``.grad`` and
+    its fp32 accumulated unsharded gradient; freed buffers (resized to 0) count nothing.
+    """
+    storages: dict[int, int] = {}
+    for group in _fsdp2_param_groups(model):
+        for fp in group.fsdp_params:
+            tensors = list(getattr(fp, "all_gather_outputs", []))
+            unsharded = getattr(fp, "_unsharded_param", None)
+            if unsharded is not None:
+                tensors += [unsharded, unsharded.grad]
+            tensors.append(getattr(fp, "unsharded_accumulated_grad", None))
+            for t in tensors:
+                if isinstance(t, torch.Tensor):
+                    storage = t.untyped_storage()
+                    if storage.nbytes():
+                        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+class Fsdp2Probe(Probe):
+    """:class:`Probe` for an FSDP2 model: collective time, unsharded-buffer peak, optimizer time.
+
+    Wraps each FSDP2 parameter group's ``unshard`` / ``wait_for_unshard`` (event ``fetch_wait``) and
+    ``post_backward`` / ``finalize_backward`` (event ``push``, the gradient reduce-scatter when it
+    runs), sampling :func:`fsdp2_unsharded_nbytes` before and after each. If FSDP2's internals cannot be
+    read the unsharded peak is ``None``.
+    """
+
+    def __init__(self, backend: str, model: torch.nn.Module, optimizer: Any) -> None:
+        self.backend = backend
+        self.model = model
+        self.optimizer = optimizer
+        self.engine = None
+        self._saved = {}
+        self.reset()
+        self.measurable = True
+        try:
+            groups = _fsdp2_param_groups(model)
+            fsdp2_unsharded_nbytes(model)
+        except Exception:  # FSDP2 internals changed: report None rather than a guess
+            groups, self.measurable = [], False
+        if not groups:
+            self.measurable = False
+        for group in groups:
+            for name, event in (
+                ("unshard", "fetch_wait"),
+                ("wait_for_unshard", "fetch_wait"),
+                ("post_backward", "push"),
+                ("finalize_backward", "push"),
+            ):
+                setattr(group, name, self._timed(getattr(group, name), event))
+        plain_step = optimizer.step
+
+        def timed_step(*args, **kwargs):
+            start = time.perf_counter()
+            out = plain_step(*args, **kwargs)
+            self.events.append(("optimizer", start, time.perf_counter()))
+            return out
+
+        optimizer.step = timed_step
+
+    def _timed(self, method, event: str):
+        @functools.wraps(method)
+        def wrapper(*args, **kwargs):
+            self.sample()
+            start = time.perf_counter()
+            out = method(*args, **kwargs)
+            end = time.perf_counter()
+            self.idle_s += end - start
+            self.events.append((event, start, end))
+            self.sample()
+            return out
+
+        return wrapper
+
+    def sample(self) -> None:
+        """Records the current unsharded bytes into the peak."""
+        if self.measurable:
+            self.unsharded_peak_nbytes = max(
+                self.unsharded_peak_nbytes, fsdp2_unsharded_nbytes(self.model)
+            )
+
+    def reset(self) -> None:
+        super().reset()
+        self.idle_s = 0.0
+
+    def state_nbytes(self) -> int:
+        """Persistent bytes: local shards of parameters and gradients, and the AdamW state."""
+        storages: dict[int, int] = {}
+
+        def add(t: Any) -> None:
+            if isinstance(t, torch.Tensor):
+                if hasattr(t, "to_local"):
+                    t = t.to_local()
+                s = t.untyped_storage()
+                if s.nbytes():
+                    storages[s.data_ptr()] = s.nbytes()
+
+        for p in self.model.parameters():
+            add(p.data)
+            add(p.grad)
+        for state in self.optimizer.state.values():
+            for value in state.values():
+                add(value)
+        return sum(storages.values())
+
+
+def fsdp2_train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    microbatches: Sequence[dict[str, Any]],
+    global_tokens: int,
+    *,
+    reshard_after_forward: bool,
+    probe: Probe | None = None,
+) -> dict[str, Any]:
+    """One FSDP2 training step over this rank's microbatches (gradient accumulation without sync).
+
+    Every microbatch but the last skips the gradient reduce-scatter (``set_requires_gradient_sync``);
+    without ``reshard_after_forward`` it also keeps the unsharded parameters after backward
+    (``set_reshard_after_backward``), so each unit is all-gathered once per minibatch. The loss of a
+    microbatch is its per-token loss sum (:func:`_loss_func`) divided by ``global_tokens``, the loss
+    tokens of the whole global minibatch; the gradients are clipped to :data:`OPTIMIZER`'s norm.
+
+    Returns:
+        ``loss_sum`` (this rank's token-loss sum) and ``grad_norm`` (before clipping).
+    """
+    if not microbatches:
+        raise ValueError("FSDP2 ranks need at least one microbatch each (use an lb_micro plan)")
+    optimizer.zero_grad(set_to_none=True)
+    loss_total = 0.0
+    for i, mb in enumerate(microbatches):
+        last = i == len(microbatches) - 1
+        model.set_requires_gradient_sync(last)
+        if not reshard_after_forward:
+            model.set_reshard_after_backward(last)
+        saved = probe.saved_tensors() if probe is not None else contextlib.nullcontext()
+        with saved:
+            out = model(mb["tokens"], mb["position_ids"], mb["attention_mask"], labels=mb["labels"])
+        loss_sum, _, _ = _loss_func(mb["loss_mask"], out)
+        (loss_sum / global_tokens).backward()
+        loss_total += float(loss_sum.detach())
+        if isinstance(probe, Fsdp2Probe):
+            probe.sample()
+    grad_norm = torch.nn.utils.clip_grad_norm_(
+        [p for p in model.parameters() if p.grad is not None], OPTIMIZER["clip_grad"]
+    )
+    if hasattr(grad_norm, "full_tensor"):
+        grad_norm = grad_norm.full_tensor()
+    optimizer.step()
+    return {"loss_sum": loss_total, "grad_norm": float(grad_norm)}
+
+
 # ---------------------------------------------------------------------------------------- ranks
 
 
-def _build_all(seq_length: int, dtype: str) -> dict[str, tuple[torch.nn.Module, Any, Probe]]:
+def _build_all(
+    seq_length: int, dtype: str, backends: Sequence[str] | None = None
+) -> dict[str, tuple[torch.nn.Module, Any, Probe]]:
+    """Builds each backend's model (same seed), optimizer and probe; all of them by default."""
     from megatron.core.optimizer import OptimizerConfig
 
     from megatron_odc.mcore.backends import build_backend
     from megatron_odc.mcore.config import ODCConfig
 
+    if backends is None:
+        backends = ("fsdp", "odc", *ODC_VARIANTS, "ddp", *FSDP2_BACKENDS)
     built = {}
-    for backend in ("fsdp", "odc", *ODC_VARIANTS, "ddp"):
+    for backend in backends:
+        if backend in FSDP2_BACKENDS:
+            model, optimizer = build_fsdp2(seq_length, dtype, FSDP2_BACKENDS[backend], seed=1)
+            built[backend] = (model, optimizer, Fsdp2Probe(backend, model, optimizer))
+            continue
         model = build_model(seed=1, seq_length=seq_length, dtype=dtype)
         opt_config = OptimizerConfig(
             optimizer="adam",
-            lr=1e-4,
-            weight_decay=0.01,
-            clip_grad=1.0,
+            **OPTIMIZER,
             bf16=dtype == "bf16",
             params_dtype=DTYPES[dtype],
         )
@@ -439,7 +710,11 @@ def _build_all(seq_length: int, dtype: str) -> dict[str, tuple[torch.nn.Module, 
     return built
 
 
-def _one_step(built, backend: str, microbatches, seq_length: int) -> dict[str, Any]:
+def _one_step(
+    built, backend: str, microbatches, seq_length: int, global_tokens: int | None = None
+) -> dict[str, Any]:
+    """One timed training step of ``backend``; ``global_tokens`` (loss tokens of the global minibatch)
+    is needed by the FSDP2 backends only."""
     from megatron_odc.mcore.step import train_step
 
     wrapped, optimizer, probe = built[backend]
@@ -447,14 +722,27 @@ def _one_step(built, backend: str, microbatches, seq_length: int) -> dict[str, A
     dist.barrier()
     cpu_start = time.thread_time()
     start = time.perf_counter()
-    train_step(
-        wrapped,
-        optimizer,
-        _make_forward_step(probe),
-        [{k: v for k, v in mb.items() if k != "num_tokens"} for mb in microbatches],
-        seq_length=seq_length,
-    )
+    if backend in FSDP2_BACKENDS:
+        if global_tokens is None:
+            raise ValueError(f"{backend} needs the global minibatch's loss-token count")
+        out = fsdp2_train_step(
+            wrapped,
+            optimizer,
+            microbatches,
+            global_tokens,
+            reshard_after_forward=FSDP2_BACKENDS[backend],
+            probe=probe,
+        )
+    else:
+        out = train_step(
+            wrapped,
+            optimizer,
+            _make_forward_step(probe),
+            [{k: v for k, v in mb.items() if k != "num_tokens"} for mb in microbatches],
+            seq_length=seq_length,
+        )
     end = time.perf_counter()
+    grad_norm = out.get("grad_norm")
     record = {
         "wall_s": end - start,
         "cpu_s": time.thread_time() - cpu_start,
@@ -463,8 +751,13 @@ def _one_step(built, backend: str, microbatches, seq_length: int) -> dict[str, A
         "unsharded_peak_nbytes": probe.unsharded_peak_nbytes,
         "activation_peak_nbytes": probe.activation_peak_nbytes,
         "events": [(name, s - start, e - start) for name, s, e in probe.events],
+        "grad_norm": None if grad_norm is None else float(grad_norm),
     }
-    if probe.engine is not None:
+    if isinstance(probe, Fsdp2Probe):
+        record["idle_s"] = probe.idle_s
+        if not probe.measurable:
+            record["unsharded_peak_nbytes"] = None
+    elif probe.engine is not None:
         snap = wrapped.telemetry()
         record["idle_s"] = snap["fetch_wait_s"] + snap["push_s"] + snap["fence_s"]
         record["fetch_wait_s"] = snap["fetch_wait_s"]
@@ -491,7 +784,7 @@ def _probe_allgather(odc_model: torch.nn.Module, repeats: int = 20) -> dict:
 
 
 def _rank_main(rank: int, world_size: int, settings: dict, result_path: str) -> None:
-    """One rank: build the three backends, run every cell interleaved, rank 0 pickles the results."""
+    """One rank: build every backend, run every cell interleaved, rank 0 pickles the results."""
     from megatron.core import parallel_state
 
     from megatron_odc.integration.cpu import apply_cpu_patches
@@ -515,9 +808,11 @@ def _rank_main(rank: int, world_size: int, settings: dict, result_path: str) -> 
         built = _build_all(seq_length=cap, dtype=settings["dtype"])
         cost = CostModel(**settings["cost"])
         vocab = MODEL["vocab_size"]
-        warm = build_microbatches([[0], [1]], {0: cap // 2, 1: cap // 4}, vocab)
+        warm_lengths = {0: cap // 2, 1: cap // 4}
+        warm = build_microbatches([[0], [1]], warm_lengths, vocab)
+        warm_tokens = world_size * loss_tokens([[0], [1]], warm_lengths, vocab)
         for backend in built:
-            _one_step(built, backend, warm, cap)
+            _one_step(built, backend, warm, cap, warm_tokens)
         state_nbytes = {b: built[b][2].state_nbytes() for b in built}
         comm_probe = _probe_allgather(built["odc"][0])
         results = []
@@ -543,7 +838,12 @@ def _rank_main(rank: int, world_size: int, settings: dict, result_path: str) -> 
                         mbs = build_microbatches(
                             plan.rank_microbatches(rank), dict(plan.lengths), vocab
                         )
-                        record = _one_step(built, backend, mbs, cap)
+                        tokens = (
+                            global_loss_tokens(plan, world_size, vocab)
+                            if backend in FSDP2_BACKENDS
+                            else None
+                        )
+                        record = _one_step(built, backend, mbs, cap, tokens)
                         record["plan_bubble_odc"] = plan.bubble_odc()
                         record["plan_bubble_lockstep"] = plan.bubble_lockstep()
                         record["plan_time_odc"] = max(plan.rank_costs())
@@ -654,7 +954,11 @@ def summarize(payload: dict) -> list[dict]:
                     for rank in range(WORLD_SIZE)
                 ],
                 "plan_bubble": statistics.mean(
-                    r[0]["plan_bubble_lockstep" if backend == "fsdp" else "plan_bubble_odc"]
+                    r[0][
+                        "plan_bubble_lockstep"
+                        if backend in LOCKSTEP_BACKENDS
+                        else "plan_bubble_odc"
+                    ]
                     for r in repeats
                 ),
             }
@@ -668,16 +972,18 @@ def summarize(payload: dict) -> list[dict]:
                 row["speedup_vs_baseline_total"] = sum(base_s) / sum(step_s)
             mem = []
             for rank in range(WORLD_SIZE):
-                unsharded = max(r[rank]["unsharded_peak_nbytes"] for r in repeats)
+                peaks = [r[rank]["unsharded_peak_nbytes"] for r in repeats]
+                unsharded = None if None in peaks else max(peaks)  # None: not measurable
                 activations = max(r[rank]["activation_peak_nbytes"] for r in repeats)
                 persistent = state[rank][backend]
+                total = None if unsharded is None else persistent + unsharded
                 mem.append(
                     {
                         "persistent_nbytes": persistent,
                         "unsharded_peak_nbytes": unsharded,
-                        "state_nbytes": persistent + unsharded,
+                        "state_nbytes": total,
                         "activation_peak_nbytes": activations,
-                        "peak_nbytes": persistent + unsharded + activations,
+                        "peak_nbytes": None if total is None else total + activations,
                     }
                 )
             row["memory_per_rank"] = mem
@@ -685,23 +991,33 @@ def summarize(payload: dict) -> list[dict]:
     return rows
 
 
+def paired_ratio(steps: dict, numerator: str, denominator: str) -> float | None:
+    """Median over repeats of (``numerator``'s step time / ``denominator``'s), paired per repeat."""
+    if numerator not in steps or denominator not in steps:
+        return None
+    num = [max(r["wall_s"] for r in ranks) for ranks in steps[numerator]]
+    den = [max(r["wall_s"] for r in ranks) for ranks in steps[denominator]]
+    return statistics.median(n / d for n, d in zip(num, den))
+
+
 def format_rows(rows: list[dict]) -> str:
     """A text table of :func:`summarize`'s rows."""
     mib = 1024.0 * 1024.0
     lines = [
-        f"{'profile':<10}{'mb':>3} {'config':<17}{'step s':>8}{'speedup':>9}{'samples/s':>10}"
+        f"{'profile':<10}{'mb':>3} {'config':<27}{'step s':>8}{'speedup':>9}{'samples/s':>10}"
         f"{'tokens/s':>10}{'busy r0/r1':>12}{'mbs r0/r1':>10}{'state MiB':>10}{'act MiB':>9}"
         f"{'bubble%':>8}"
     ]
     for row in rows:
-        mem = max(row["memory_per_rank"], key=lambda m: m["state_nbytes"])
+        mem = max(row["memory_per_rank"], key=lambda m: m["state_nbytes"] or 0)
+        state_mib = math.nan if mem["state_nbytes"] is None else mem["state_nbytes"] / mib
         busy = "/".join(f"{b:.2f}" for b in row["busy_fraction_per_rank"])
         counts = "/".join(f"{c:g}" for c in row["microbatches_per_rank"])
         lines.append(
-            f"{row['profile']:<10}{row['minibatch_per_rank']:>3} {row['config']:<17}"
+            f"{row['profile']:<10}{row['minibatch_per_rank']:>3} {row['config']:<27}"
             f"{row['step_s_median']:>8.3f}{row.get('speedup_vs_baseline_median', float('nan')):>9.3f}"
             f"{row['samples_per_s']:>10.2f}{row['tokens_per_s']:>10.0f}{busy:>12}{counts:>10}"
-            f"{mem['state_nbytes'] / mib:>10.2f}{mem['activation_peak_nbytes'] / mib:>9.2f}"
+            f"{state_mib:>10.2f}{mem['activation_peak_nbytes'] / mib:>9.2f}"
             f"{100 * row['plan_bubble']:>8.1f}"
         )
     lines.append(
@@ -890,18 +1206,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout.write(json.dumps({k: v for k, v in row.items() if k != "step_s"}) + "\n")
     else:
         sys.stdout.write(format_rows(rows))
-    quick_ratio = None
     for row in rows:
-        if row["config"] == "odc+lb_mini" and "speedup_vs_baseline_median" in row:
-            quick_ratio = row["speedup_vs_baseline_median"]
-            if args.quick:
-                line = {
-                    "ratio_odc_lb_mini_vs_fsdp_lb_micro": quick_ratio,
-                    "profile": row["profile"],
-                    "minibatch_per_rank": row["minibatch_per_rank"],
-                    "elapsed_s": elapsed,
-                }
-                sys.stdout.write((json.dumps(line) if args.json else str(line)) + "\n")
+        if args.quick and row["config"] == "odc+lb_mini" and "speedup_vs_baseline_median" in row:
+            cell = next(
+                c
+                for c in payload["results"]
+                if c["profile"] == row["profile"] and c["minibatch"] == row["minibatch_per_rank"]
+            )
+            line = {
+                "ratio_odc_lb_mini_vs_fsdp_lb_micro": row["speedup_vs_baseline_median"],
+                "ratio_odc_lb_mini_vs_fsdp2_lb_micro": paired_ratio(
+                    cell["steps"], "fsdp2+lb_micro", "odc+lb_mini"
+                ),
+                "profile": row["profile"],
+                "minibatch_per_rank": row["minibatch_per_rank"],
+                "elapsed_s": elapsed,
+            }
+            sys.stdout.write((json.dumps(line) if args.json else str(line)) + "\n")
     meta = {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "elapsed_s": elapsed,
