@@ -375,15 +375,7 @@ class Probe:
             for name in ("fetch", "begin_backward"):
                 method = getattr(self.engine, name)
                 setattr(self.engine, name, self._sampling(method))
-        plain_step = optimizer.step
-
-        def timed_step(*args, **kwargs):
-            start = time.perf_counter()
-            out = plain_step(*args, **kwargs)
-            self.events.append(("optimizer", start, time.perf_counter()))
-            return out
-
-        optimizer.step = timed_step
+        self._time_optimizer_steps(optimizer)
         config = model.config
         finalize = config.finalize_model_grads_func
 
@@ -397,6 +389,18 @@ class Probe:
             return out
 
         config.finalize_model_grads_func = timed_finalize
+
+    def _time_optimizer_steps(self, optimizer: Any) -> None:
+        """Records every ``optimizer.step`` as an ``optimizer`` event."""
+        plain_step = optimizer.step
+
+        def timed_step(*args, **kwargs):
+            start = time.perf_counter()
+            out = plain_step(*args, **kwargs)
+            self.events.append(("optimizer", start, time.perf_counter()))
+            return out
+
+        optimizer.step = timed_step
 
     def _sampling(self, method):
         @functools.wraps(method)
@@ -570,15 +574,7 @@ class Fsdp2Probe(Probe):
                 ("finalize_backward", "push"),
             ):
                 setattr(group, name, self._timed(getattr(group, name), event))
-        plain_step = optimizer.step
-
-        def timed_step(*args, **kwargs):
-            start = time.perf_counter()
-            out = plain_step(*args, **kwargs)
-            self.events.append(("optimizer", start, time.perf_counter()))
-            return out
-
-        optimizer.step = timed_step
+        self._time_optimizer_steps(optimizer)
 
     def _timed(self, method, event: str):
         @functools.wraps(method)
