@@ -49,6 +49,8 @@ FORMAT_VERSION = 1
 _SIDECAR = ".sft.json"
 _MASK = ".loss_mask"
 _LOSS_TOKENS = ".loss_tokens.npy"
+_DATA_SUFFIXES = (".bin", ".idx", _MASK + ".bin", _MASK + ".idx", _LOSS_TOKENS)
+"""Every file of a dataset but its sidecar: written first, checked before opening."""
 
 
 def sidecar_path(prefix: str) -> str:
@@ -107,17 +109,14 @@ class IndexedSFTWriter:
         assert int(lengths.sum()) == len(tokens)
         if not len(lengths):
             return
-        ends = np.cumsum(lengths)
         self._tokens.add_document(tokens.astype(self._token_dtype, copy=False), lengths.tolist())
         self._masks.add_document(masks.astype(np.uint8, copy=False), lengths.tolist())
-        for builder in (
-            self._tokens,
-            self._masks,
-        ):  # one document per sample, as GPTDataset expects
+        # One document per sample, as GPTDataset expects (add_document made the whole batch one).
+        for builder in (self._tokens, self._masks):
             builder.document_indices[-1:] = (
                 self.num_samples + 1 + np.arange(len(lengths))
             ).tolist()
-        starts = ends - lengths
+        starts = np.cumsum(lengths) - lengths
         # Loss-carrying positions of a sample: mask[1:], i.e. its mask minus the first token's.
         counts = np.add.reduceat(masks.astype(np.int64), starts) - masks[starts].astype(np.int64)
         self._loss_tokens.append(counts)
@@ -133,7 +132,7 @@ class IndexedSFTWriter:
         self._masks.finalize(self._tmp + _MASK + ".idx")
         loss_tokens = np.concatenate(self._loss_tokens)
         np.save(self._tmp + _LOSS_TOKENS, loss_tokens)
-        for suffix in (".bin", ".idx", _MASK + ".bin", _MASK + ".idx", _LOSS_TOKENS):
+        for suffix in _DATA_SUFFIXES:
             os.replace(self._tmp + suffix, self.prefix + suffix)
         sidecar = {
             "format": FORMAT_NAME,
@@ -155,7 +154,7 @@ class IndexedSFTWriter:
         """Closes and removes the temporary files."""
         for builder in (self._tokens, self._masks):
             builder.data_file.close()
-        for suffix in (".bin", ".idx", _MASK + ".bin", _MASK + ".idx", _LOSS_TOKENS, _SIDECAR):
+        for suffix in (*_DATA_SUFFIXES, _SIDECAR):
             if os.path.exists(self._tmp + suffix):
                 os.remove(self._tmp + suffix)
 
@@ -191,7 +190,7 @@ class IndexedSFTDataset:
                 f"training uses {expected}; preprocess again with the training tokenizer"
             )
         indexed = _indexed_dataset_module()
-        for suffix in (".bin", ".idx", _MASK + ".bin", _MASK + ".idx", _LOSS_TOKENS):
+        for suffix in _DATA_SUFFIXES:
             if not os.path.isfile(prefix + suffix):
                 raise ValueError(f"--data-path {prefix}: {prefix + suffix} is missing")
         self._tokens = indexed.IndexedDataset(prefix, mmap=True)

@@ -37,9 +37,10 @@ __all__ = ["build_parser", "main", "preprocess"]
 _worker_tokenizer = None
 
 
-def _init_worker(tokenizer_spec: str) -> None:
+def _init_worker(tokenizer) -> None:
+    """Sets the tokenizer of this process: the loaded one, or (in a spawned worker) its spec to load."""
     global _worker_tokenizer
-    _worker_tokenizer = load_tokenizer(tokenizer_spec)
+    _worker_tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
 
 
 def _tokenize_chunk(chunk: tuple[str, int, list[bytes]]):
@@ -108,7 +109,8 @@ def preprocess(
         raise ValueError(
             f"--workers must be >= 0 and --chunk-lines >= 1, got {workers}, {chunk_lines}"
         )
-    writer = IndexedSFTWriter(output_prefix, load_tokenizer(tokenizer))
+    loaded = load_tokenizer(tokenizer)
+    writer = IndexedSFTWriter(output_prefix, loaded)
     bad = BadLines()
     start = time.perf_counter()
     bar = tqdm(
@@ -123,7 +125,7 @@ def preprocess(
     try:
         chunks = _chunks(input_path, chunk_lines, bar)
         if workers == 0:
-            _init_worker(tokenizer)
+            _init_worker(loaded)
             results = map(_tokenize_chunk, chunks)
         else:
             pool = multiprocessing.get_context("fork" if os.name == "posix" else "spawn").Pool(

@@ -28,7 +28,8 @@ class Tokenizer(Protocol):
     """What :mod:`megatron_odc.data.sft` needs from a tokenizer.
 
     Optional extras, looked up with ``getattr``: ``bos_id`` (prepended to every sample when not
-    None), ``encode_array(text)`` (``encode`` as an int64 numpy array, faster), ``role_prefix_ids(role)`` (the ids that open a message of that role in the simple
+    None), ``encode_array(text)`` (``encode`` as an int64 numpy array, faster),
+    ``role_prefix_ids(role)`` (the ids that open a message of that role in the simple
     role-marker template; defaults to ``encode(f"<|{role}|>\\n")``), and ``has_chat_template`` plus
     ``encode_chat(messages, add_generation_prompt)`` (a model's own chat template).
     """
