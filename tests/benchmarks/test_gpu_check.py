@@ -84,6 +84,7 @@ def test_cpu_rehearsal_runs_every_check_and_passes(tmp_path: Path) -> None:
         assert parity[f"{prefix}param_frac_differing"] < 1e-3, parity
         assert parity[f"{prefix}param_rel_err"] < 1e-2, parity
     assert parity["det_bitwise_repeat"] is True
+    assert parity["fused_model_rel_err"] < 1e-2, parity
     assert len(parity["ddp_losses"]) == 3
     correctness = numbers["correctness w=2"]["extra"]["results"]
     assert [sorted(k for k in r if k != "features") for r in correctness] == [["deterministic"]] * 2
@@ -132,7 +133,7 @@ def test_bandwidth_targets_are_judged(gpu_check, monkeypatch) -> None:
 
 
 def test_parity_tolerances_are_judged(gpu_check, monkeypatch) -> None:
-    def result(odc_loss: float, param_err: float, bitwise: bool) -> dict:
+    def result(odc_loss: float, param_err: float, bitwise: bool, fused: tuple) -> dict:
         return {
             "ddp_losses": [5.0, 4.0, 3.0],
             "odc_losses": [5.0, 4.0, odc_loss],
@@ -140,16 +141,25 @@ def test_parity_tolerances_are_judged(gpu_check, monkeypatch) -> None:
             "param_rel_err": param_err,
             "det_param_rel_err": 0.0,
             "det_bitwise_repeat": bitwise,
+            "fused_losses": [5.0, 4.0, fused[0]],
+            "fused_model_rel_err": fused[1],
         }
 
     args = _args(gpu_check)
-    cases = {(3.03, 1e-3, True): True, (3.1, 1e-3, True): False, (3.0, 0.05, True): False}
-    cases[(3.0, 0.0, False)] = False  # deterministic mode that does not repeat bitwise fails
-    for (loss, err, bitwise), expected in cases.items():
-        res = result(loss, err, bitwise)
+    good = (3.0, 1e-4)
+    cases = {
+        (3.03, 1e-3, True, good): True,
+        (3.1, 1e-3, True, good): False,
+        (3.0, 0.05, True, good): False,
+        (3.0, 0.0, False, good): False,  # deterministic mode that does not repeat bitwise fails
+        (3.0, 0.0, True, (3.1, 1e-4)): False,  # the fused-kernel run's loss
+        (3.0, 0.0, True, (3.0, 0.05)): False,  # the fused-kernel run's parameters as a whole
+    }
+    for (loss, err, bitwise, fused), expected in cases.items():
+        res = result(loss, err, bitwise, fused)
         monkeypatch.setattr(gpu_check, "run_world", lambda *a, _r=res, **k: [_r, _r])
         ok, detail, _ = gpu_check._check_parity(args)
-        assert ok is expected, (loss, err, bitwise, detail)
+        assert ok is expected, (loss, err, bitwise, fused, detail)
 
 
 def test_correctness_failures_are_reported_per_rank(gpu_check, monkeypatch) -> None:
