@@ -79,7 +79,9 @@ class ODCConfig:
         True, "fetch the next unit (forward) or the previous one (backward) one step early"
     )
     timeout_s: float = _option(
-        300.0, "seconds a fence waits for a peer before naming it and failing"
+        600.0,
+        "seconds a fence waits for a peer before naming it and failing (default: "
+        "--distributed-timeout-minutes)",
     )
     check_params_equal: bool = _option(
         True, "check at construction that every DP rank holds the same weights"
@@ -113,7 +115,9 @@ class ODCConfig:
     @classmethod
     def from_args(cls, args: Any) -> ODCConfig:
         """The options set on ``args`` (an argparse namespace with ``odc_<field>`` attributes, as
-        ``runner/odc_flags.py`` adds them; ``None`` or a missing attribute keeps the default).
+        ``runner/odc_flags.py`` adds them; ``None`` or a missing attribute keeps the default). The
+        fence's ``timeout_s`` defaults to Megatron's ``--distributed-timeout-minutes`` where ``args``
+        has it.
 
         Raises:
             ValueError: a value the checks refuse (the message names the flag).
@@ -123,6 +127,9 @@ class ODCConfig:
             value = getattr(args, f"odc_{field.name}", None)
             if value is not None:
                 values[field.name] = value
+        minutes = getattr(args, "distributed_timeout_minutes", None)
+        if "timeout_s" not in values and minutes is not None:
+            values["timeout_s"] = 60.0 * minutes  # the fence waits as long as any collective
         return cls(**values)
 
 

@@ -33,12 +33,21 @@ class DataParallelCoordinates:
 
 @contextlib.contextmanager
 def model_parallel(
-    tensor_model_parallel_size: int, pipeline_model_parallel_size: int = 1
+    tensor_model_parallel_size: int,
+    pipeline_model_parallel_size: int = 1,
+    *,
+    timeout_minutes: float | None = None,
 ) -> Iterator[DataParallelCoordinates]:
-    """megatron-core's parallel state for the block (the default process group must be up)."""
+    """megatron-core's parallel state for the block (the default process group must be up).
+
+    ``timeout_minutes``: the collective timeout of every group megatron-core creates (its default, 30
+    minutes, when None).
+    """
+    timeout = {} if timeout_minutes is None else {"distributed_timeout_minutes": timeout_minutes}
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
+        **timeout,
     )
     try:
         yield DataParallelCoordinates(

@@ -12,6 +12,7 @@ the loss and forward step of a GPT on packed batches.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -68,6 +69,9 @@ def train_step(
     *,
     seq_length: int,
     micro_batch_size: int = 1,
+    phase: Callable[[str], contextlib.AbstractContextManager] = lambda name: (
+        contextlib.nullcontext()
+    ),
 ) -> dict[str, Any]:
     """Zero the grad buffers, run this rank's microbatches, finalize, and step the optimizer.
 
@@ -78,6 +82,8 @@ def train_step(
         microbatches: this rank's microbatches, consumed in order through an iterator.
         seq_length: sequence length passed to the schedule.
         micro_batch_size: micro batch size passed to the schedule.
+        phase: called with ``"forward-backward"`` and ``"optimizer step"``; the block of each runs
+            inside the context manager it returns (the runner records the phase for its watchdog).
 
     Returns:
         ``losses`` (the schedule's per-microbatch reports), ``update_successful``, ``grad_norm`` and
@@ -91,20 +97,22 @@ def train_step(
         )
     model.zero_grad_buffer()
     optimizer.zero_grad()
-    if microbatches:
-        losses = get_forward_backward_func()(
-            forward_step_func=forward_step_func,
-            data_iterator=iter(microbatches),
-            model=[model],
-            num_microbatches=len(microbatches),
-            seq_length=seq_length,
-            micro_batch_size=micro_batch_size,
-            forward_only=False,
-        )
-    else:
-        losses = []
-        finalize_without_microbatches([model])
-    update_successful, grad_norm, num_zeros = optimizer.step()
+    with phase("forward-backward"):
+        if microbatches:
+            losses = get_forward_backward_func()(
+                forward_step_func=forward_step_func,
+                data_iterator=iter(microbatches),
+                model=[model],
+                num_microbatches=len(microbatches),
+                seq_length=seq_length,
+                micro_batch_size=micro_batch_size,
+                forward_only=False,
+            )
+        else:
+            losses = []
+            finalize_without_microbatches([model])
+    with phase("optimizer step"):
+        update_successful, grad_norm, num_zeros = optimizer.step()
     return {
         "losses": losses,
         "update_successful": update_successful,

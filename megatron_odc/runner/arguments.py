@@ -135,6 +135,13 @@ def build_parser() -> argparse.ArgumentParser:
     parallel.add_argument(
         "--sequence-parallel", action="store_true", help="Megatron sequence parallelism (TP > 1)"
     )
+    parallel.add_argument(
+        "--distributed-timeout-minutes",
+        type=float,
+        default=10.0,
+        help="timeout of every collective wait: the process groups, the ODC fence (unless "
+        "--odc-timeout-s), and the watchdog that ends a rank stuck on a dead or stopped peer",
+    )
 
     train = parser.add_argument_group("training (Megatron-LM flags)")
     train.add_argument(
@@ -262,13 +269,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _require_positive(args: argparse.Namespace, names: tuple[str, ...]) -> None:
-    for name in names:
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-
-
 def _check_pretraining_data(args: argparse.Namespace) -> None:
     """Pretraining on Megatron indexed datasets: ``--data-path [W1] PREFIX1 [W2 PREFIX2 ...]``."""
     paths = args.data_path
@@ -361,6 +361,10 @@ def _require_positive(args: argparse.Namespace) -> None:
 
 
 def _check_parallelism(args: argparse.Namespace, world_size: int) -> None:
+    if not args.distributed_timeout_minutes > 0:
+        raise ValueError(
+            f"--distributed-timeout-minutes must be > 0, got {args.distributed_timeout_minutes}"
+        )
     refuse_unsupported(
         args.dp_backend, pipeline_model_parallel_size=args.pipeline_model_parallel_size
     )

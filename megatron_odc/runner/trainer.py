@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import logging
 import os
 import time
@@ -41,6 +42,7 @@ from megatron_odc.mcore.parallel import DataParallelCoordinates, model_parallel
 from megatron_odc.mcore.step import gpt_forward_step, train_step
 from megatron_odc.runner import checkpoint
 from megatron_odc.runner.data_pipeline import DataPipeline
+from megatron_odc.runner.health import HealthMonitor, default_store
 from megatron_odc.runner.log import LogInterval, setup_logging
 
 logger = logging.getLogger(__name__)
@@ -87,21 +89,40 @@ def train(args: argparse.Namespace) -> TrainResult:
     """
     on_cuda = torch.cuda.is_available()
     own_process_group = not dist.is_initialized()
+    timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
     try:
         if own_process_group:
             if on_cuda:
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group("nccl" if on_cuda else "gloo")
+            dist.init_process_group("nccl" if on_cuda else "gloo", timeout=timeout)
         setup_logging(dist.get_rank())
-        with model_parallel(
-            args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-        ) as coordinates:
-            device = torch.device("cuda") if on_cuda else torch.device("cpu")
-            trainer = Trainer(args, coordinates, device)
-            try:
-                return trainer.run()
-            finally:
-                trainer.close()
+        health = HealthMonitor(
+            default_store(), dist.get_rank(), dist.get_world_size(), timeout.total_seconds()
+        ).start()
+        finished = False
+        try:
+            with model_parallel(
+                args.tensor_model_parallel_size,
+                args.pipeline_model_parallel_size,
+                timeout_minutes=args.distributed_timeout_minutes,
+            ) as coordinates:
+                device = torch.device("cuda") if on_cuda else torch.device("cpu")
+                trainer = Trainer(args, coordinates, device, health)
+                try:
+                    result = trainer.run()
+                finally:
+                    trainer.close()
+            finished = True
+            return result
+        except ValueError:
+            raise  # a user error: the same on every rank, not a peer's failure
+        except Exception as error:
+            failure = health.failure(error)
+            if failure is error:
+                raise
+            raise failure from error
+        finally:
+            health.stop(finished=finished)
     finally:
         if own_process_group and dist.is_initialized():
             dist.destroy_process_group()
@@ -117,10 +138,15 @@ class Trainer:
     """
 
     def __init__(
-        self, args: argparse.Namespace, coordinates: DataParallelCoordinates, device: torch.device
+        self,
+        args: argparse.Namespace,
+        coordinates: DataParallelCoordinates,
+        device: torch.device,
+        health: HealthMonitor,
     ) -> None:
         self.args = args
         self.device = device
+        self.health = health
         self.dp_group = coordinates.dp_group
         logger.info(
             "megatron_odc.train: world %d (DP %d x TP %d) on %s | --dp-backend %s | --balance %s | "
@@ -160,7 +186,8 @@ class Trainer:
     def run(self) -> TrainResult:
         """The iterations from the start (or the loaded checkpoint) to ``--train-iters``."""
         args = self.args
-        start = self._load()
+        with self.health.phase("load"):
+            start = self._load()
         result = TrainResult(start, start, {}, {}, 0.0, 0)
         interval = LogInterval()
         last_saved = start if args.load is not None and not args.finetune else None
@@ -172,7 +199,8 @@ class Trainer:
             if iteration % args.log_interval == 0 or iteration == args.train_iters:
                 elapsed = time.perf_counter() - loop_start
                 eta_s = elapsed / (iteration - start) * (args.train_iters - iteration)
-                self._log(interval, result, eta_s)
+                with self.health.phase("log", iteration):
+                    self._log(interval, result, eta_s)
                 interval = LogInterval()
             if args.save and args.save_interval and iteration % args.save_interval == 0:
                 self._save(iteration)
@@ -192,7 +220,8 @@ class Trainer:
         """One minibatch: this rank's microbatches, the step, the scheduler."""
         args = self.args
         start = time.perf_counter()
-        minibatch = self.data.next_minibatch()
+        with self.health.phase("data", iteration):
+            minibatch = self.data.next_minibatch()
         assignment, batches = minibatch.assignment, minibatch.batches
         counts = assignment.num_microbatches_per_rank
         if args.dp_backend in LOCKSTEP_BACKENDS and len(set(counts)) != 1:
@@ -208,6 +237,7 @@ class Trainer:
             batches,
             seq_length=max((b["tokens"].shape[1] for b in batches), default=args.seq_length),
             micro_batch_size=1,
+            phase=lambda name: self.health.phase(name, iteration),
         )
         self.scheduler.step(increment=args.global_batch_size)
         if report["losses"]:
@@ -283,6 +313,10 @@ class Trainer:
         return iteration
 
     def _save(self, iteration: int) -> None:
+        with self.health.phase("save", iteration):
+            self._save_checkpoint(iteration)
+
+    def _save_checkpoint(self, iteration: int) -> None:
         start = time.perf_counter()
         extra = checkpoint.training_state(
             self.data.sampler, self.scheduler, iteration, self.args.global_batch_size

@@ -108,16 +108,6 @@ def _clean_env(shm_dir: Path) -> dict[str, str]:
     return env
 
 
-@pytest.fixture
-def shm_dir():
-    path = Path("/dev/shm") / f"megatron_odc_test_train_{uuid.uuid4().hex[:12]}"
-    path.mkdir()
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
 def test_cli_exits_before_training_on_a_bad_flag(tmp_path, shm_dir):
     argv = ["--dp-backend", "odc", "--pipeline-model-parallel-size", "2"]
     proc = subprocess.run(

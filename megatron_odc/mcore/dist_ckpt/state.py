@@ -26,7 +26,7 @@ from megatron.core.utils import unwrap_model
 
 from megatron_odc.mcore.cpu_optimizers import megatron_optimizer_scope
 from megatron_odc.mcore.data_parallel import ODCDataParallel
-from megatron_odc.mcore.dist_ckpt import optimizer_state
+from megatron_odc.mcore.dist_ckpt import optimizer_state, writer_processes
 from megatron_odc.mcore.dist_ckpt.model_state import odc_model_sharded_state_dict, write_back
 from megatron_odc.mcore.optimizer import ODCOptimizer
 
@@ -75,7 +75,9 @@ def build_save_state(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
 
 
 def write(state: dict[str, Any], checkpoint_dir: Path, model: torch.nn.Module) -> None:
-    """``dist_checkpointing.save`` of ``state`` into ``checkpoint_dir`` (collective)."""
+    """``dist_checkpointing.save`` of ``state`` into ``checkpoint_dir`` (collective); the writer's
+    processes die with this rank (``writer_processes``)."""
+    writer_processes.install()
     with megatron_optimizer_scope(model):
         dist_checkpointing.save(state, str(checkpoint_dir))
 

@@ -1,0 +1,259 @@
+"""Every rank's heartbeat and phase, the watchdog that ends a rank stuck without a limit, and the
+diagnosis that names the ranks a failed rank was waiting for.
+
+[Note: rank health]
+- Each rank runs a daemon thread that writes its record (pid, host, iteration, phase, wall time) into
+  the job's ``torch.distributed`` store every :data:`HEARTBEAT_PERIOD_S` and whenever the training loop
+  enters a phase (:meth:`HealthMonitor.phase`). The store outlives any one rank under torchrun (the
+  agent hosts it), so a stopped (SIGSTOP) or killed rank leaves its last record behind.
+- When a rank fails with a collective's error (a gloo timeout, "connection reset by peer", the ODC
+  fence's timeout), :meth:`HealthMonitor.diagnose` reads every record and names the peers that died or
+  are stopped (their ``/proc`` state, same host) or fell silent (no heartbeat for
+  :data:`SILENT_AFTER_S`), with what each was doing.
+  :meth:`HealthMonitor.failure` turns that into a :class:`PeerFailureError` naming them; a failure with
+  no dead or silent peer is left as it was (it is this rank's own).
+- Timeouts bound every wait: ``--distributed-timeout-minutes`` is the timeout of every process group
+  (the default one, megatron-core's) and of the ODC fence. The watchdog is the backstop for a wait that
+  ignores them: when this rank has been in one phase for longer than the timeout plus
+  :data:`WATCHDOG_SLACK_S` *and* a peer is dead or silent, it logs the diagnosis and ends the process
+  with :data:`EXIT_PEER_FAILURE` (a thread cannot interrupt a blocked collective). A rank that is merely
+  slow keeps its heartbeat, so a long phase elsewhere never trips it. Saving and loading are exempt
+  (their length scales with the model, and their collectives carry the timeout).
+
+Clocks: records carry wall time (``time.time``); hosts of one job are assumed synchronised to well under
+:data:`SILENT_AFTER_S` (NTP).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_PERIOD_S = 1.0
+"""Seconds between two heartbeats of a rank."""
+SILENT_AFTER_S = 5.0
+"""A rank whose record is older than this is named as having stopped responding."""
+WATCHDOG_SLACK_S = 15.0
+"""How long past the timeout the watchdog lets a phase run before ending a rank whose peer is gone."""
+DIAGNOSIS_WAIT_S = SILENT_AFTER_S + 2 * HEARTBEAT_PERIOD_S
+"""How long a failed rank waits for its peers' records to show which of them is gone."""
+EXIT_PEER_FAILURE = 3
+"""The exit status of a rank the watchdog ends."""
+UNWATCHED_PHASES = ("save", "load")
+"""Phases the watchdog never cuts short (their length scales with the model)."""
+_KEY_PREFIX = "megatron_odc/health/"
+
+
+class PeerFailureError(RuntimeError):
+    """This rank failed because other ranks died or stopped responding; the message names them."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RankRecord:
+    """A rank's last heartbeat."""
+
+    rank: int
+    pid: int
+    host: str
+    iteration: int
+    phase: str
+    time: float
+
+    def state(self, now: float) -> str | None:
+        """``died``, ``is stopped`` (SIGSTOP), ``stopped responding`` (silent), or None (alive)."""
+        if self.phase == "finished":
+            return None
+        if self.host == socket.gethostname():
+            process = _process_state(self.pid)
+            if process is not None:
+                return process
+        return "stopped responding" if now - self.time > SILENT_AFTER_S else None
+
+    def describe(self, now: float) -> str:
+        how = self.state(now) or "is alive"
+        if how == "stopped responding":
+            how = f"stopped responding {now - self.time:.0f} s ago"
+        return (
+            f"rank {self.rank} (pid {self.pid} on {self.host}) {how} "
+            f"(last seen in {self.phase}, iteration {self.iteration})"
+        )
+
+
+def _process_state(pid: int) -> str | None:
+    """``died`` (gone or a zombie), ``is stopped`` (SIGSTOP), or None (running) for a pid of this host."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return "died"
+    except OSError:
+        return None
+    state = stat.rsplit(")", 1)[-1].split()[0]  # the field after the command name
+    if state in ("Z", "X", "x"):
+        return "died"
+    if state in ("T", "t"):
+        return "is stopped"
+    return None
+
+
+class HealthMonitor:
+    """This rank's heartbeat, phase and watchdog over the job's store (see [Note: rank health]).
+
+    Args:
+        store: the job's ``torch.distributed`` store (records go under ``megatron_odc/health/``).
+        rank: this rank in the default group.
+        world_size: ranks in the default group.
+        timeout_s: the job's collective timeout (``--distributed-timeout-minutes`` in seconds).
+        period_s: seconds between heartbeats.
+    """
+
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        *,
+        period_s: float = HEARTBEAT_PERIOD_S,
+    ) -> None:
+        self._store = dist.PrefixStore(_KEY_PREFIX, store)
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = float(timeout_s)
+        self.period_s = float(period_s)
+        self._iteration = 0
+        self._phase = "start-up"
+        self._phase_since = time.monotonic()
+        self._lock = threading.Lock()  # the store client is shared by this thread and the main one
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._beat, name=f"megatron_odc-health-rank{rank}", daemon=True
+        )
+
+    def start(self) -> HealthMonitor:
+        self._publish()
+        self._thread.start()
+        return self
+
+    def stop(self, *, finished: bool) -> None:
+        """Stop the heartbeat; ``finished`` records that this rank ended normally."""
+        self._stop.set()
+        self._thread.join(timeout=5 * self.period_s)
+        if finished:
+            self._set_phase("finished", self._iteration)
+
+    @contextlib.contextmanager
+    def phase(self, name: str, iteration: int | None = None) -> Iterator[None]:
+        """Record that this rank does ``name`` (at ``iteration``) for the block."""
+        previous = self._phase
+        self._set_phase(name, self._iteration if iteration is None else iteration)
+        yield  # an exception leaves the phase as it was, for the failure's message
+        self._set_phase(previous, self._iteration)
+
+    def _set_phase(self, name: str, iteration: int) -> None:
+        self._phase, self._iteration = name, iteration
+        self._phase_since = time.monotonic()
+        self._publish()
+
+    # ------------------------------------------------------------------ store
+
+    def _publish(self) -> None:
+        record = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "iteration": self._iteration,
+            "phase": self._phase,
+            "time": time.time(),
+        }
+        try:
+            with self._lock:
+                self._store.set(f"rank{self.rank}", json.dumps(record))
+        except Exception as exc:  # the store may be gone with the job; never fail a rank for it
+            logger.debug("rank %d: heartbeat not written: %s", self.rank, exc)
+
+    def records(self) -> list[RankRecord]:
+        """The last record of every other rank that wrote one."""
+        found = []
+        for rank in range(self.world_size):
+            if rank == self.rank:
+                continue
+            key = f"rank{rank}"
+            try:
+                with self._lock:
+                    if not self._store.check([key]):
+                        continue
+                    raw = self._store.get(key)
+            except Exception as exc:
+                logger.debug("rank %d: record of rank %d unreadable: %s", self.rank, rank, exc)
+                continue
+            found.append(RankRecord(rank=rank, **json.loads(raw)))
+        return found
+
+    # ------------------------------------------------------------------ diagnosis
+
+    def diagnose(self) -> str | None:
+        """One sentence naming the dead, stopped or silent peers, or None when every peer is alive."""
+        now = time.time()
+        gone = [record for record in self.records() if record.state(now) is not None]
+        if not gone:
+            return None
+        return "; ".join(record.describe(now) for record in gone)
+
+    def failure(self, error: BaseException) -> BaseException:
+        """``error`` as a :class:`PeerFailureError` naming the gone peers, or ``error`` itself if none.
+
+        A collective can fail before the peer's silence shows (a connection reset by a peer on another
+        host), so this waits up to :data:`DIAGNOSIS_WAIT_S` for a gone peer to appear.
+        """
+        deadline = time.monotonic() + DIAGNOSIS_WAIT_S
+        diagnosis = self.diagnose()
+        while diagnosis is None and time.monotonic() < deadline:
+            time.sleep(self.period_s / 2)
+            diagnosis = self.diagnose()
+        if diagnosis is None:
+            return error
+        summary = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return PeerFailureError(
+            f"rank {self.rank} failed in {self._phase} at iteration {self._iteration} because "
+            f"{diagnosis} ({type(error).__name__}: {summary})"
+        )
+
+    # ------------------------------------------------------------------ thread
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self._publish()
+            stuck_s = time.monotonic() - self._phase_since
+            if self._phase in UNWATCHED_PHASES or stuck_s <= self.timeout_s + WATCHDOG_SLACK_S:
+                continue
+            diagnosis = self.diagnose()
+            if diagnosis is None:
+                continue  # every peer is alive: this rank is slow, not stuck on a gone peer
+            logger.error(
+                "rank %d: stuck in %s at iteration %d for %.0f s (timeout %.0f s) because %s; "
+                "ending this rank",
+                self.rank,
+                self._phase,
+                self._iteration,
+                stuck_s,
+                self.timeout_s,
+                diagnosis,
+            )
+            logging.shutdown()
+            os._exit(EXIT_PEER_FAILURE)
+
+
+def default_store() -> dist.Store:
+    """The default process group's store (torchrun's agent store, or the test harness's file store)."""
+    return dist.distributed_c10d._get_default_store()
