@@ -14,6 +14,11 @@ accumulate_gbps       rank 0 alone: ``ShmTransport.accumulate`` of a whole shard
                       call; the transport takes the 1 MiB stripe locks one at a time)
 accumulate2_gbps      both ranks at once accumulate a whole shard into rank 0's shard: AGGREGATE GB/s
                       (2 x payload / time of the slower writer); ``accumulate2_per_writer_gbps`` = half
+det_accumulate_gbps   ``accumulate_mode="deterministic"``: rank 0 accumulates a whole shard into its staging
+                      slot at rank 1, then both ranks fence (rank 1 reduces the slot into its shard and
+                      zeroes it); timed together, push + fence, slower rank
+det_accumulate2_gbps  deterministic, both ranks push a whole shard into rank 0's slots, then fence (rank 0
+                      reduces both slots): AGGREGATE GB/s (2 x payload / time of the slower rank)
 allgather_gbps        ``CollectiveTransport.gather_shards`` (gloo all-gather), both ranks; payload = the full
                       gathered tensor per rank (2 x shard)
 reducescatter_gbps    ``CollectiveTransport.scatter_accumulate`` (gloo reduce-scatter + add_), both ranks;
@@ -21,6 +26,8 @@ reducescatter_gbps    ``CollectiveTransport.scatter_accumulate`` (gloo reduce-sc
 ====================  =====================================================================================
 
 Each value is the median over repeats of payload bytes / seconds (``time.perf_counter``), in GB/s (1e9).
+The 1-minute load average is recorded before and after the run (``load_average_1m``): the machine may be
+shared.
 Usage: ``python benchmarks/transport.py [--size-mib 256] [--repeats 5] [--json]``. With ``--json`` the
 report is exactly one JSON object on stdout.
 """
@@ -55,6 +62,8 @@ KEYS = (
     ("accumulate_gbps", "shm accumulate into peer, 1 writer"),
     ("accumulate2_gbps", "shm accumulate, 2 writers into rank 0 (aggregate)"),
     ("accumulate2_per_writer_gbps", "  same, per writer"),
+    ("det_accumulate_gbps", "shm deterministic accumulate + owner reduce, 1 writer"),
+    ("det_accumulate2_gbps", "shm deterministic, 2 writers into rank 0 (aggregate)"),
     ("allgather_gbps", "collective all-gather (payload: gathered size)"),
     ("reducescatter_gbps", "collective reduce-scatter (payload: input size)"),
 )
@@ -80,9 +89,11 @@ def _bench(rank: int, result_path: str, size_mib: int, repeats: int) -> None:
     nbytes = numel * 4
     peer = 1 - rank
     shm = ShmTransport()
+    det = ShmTransport(accumulate_mode="deterministic")
     coll = CollectiveTransport()
     param = shm.register("param", numel, torch.float32)
     shm.register("grad", numel, torch.float32)
+    det.register("grad", numel, torch.float32)
     coll.register("grad", numel, torch.float32).fill_(1.0)
     coll.register("param", numel, torch.float32).fill_(float(rank))
     # Warm (first-touch) every buffer this rank owns or will write.
@@ -108,12 +119,26 @@ def _bench(rank: int, result_path: str, size_mib: int, repeats: int) -> None:
         shm.fence()
         return float(elapsed)
 
+    def fenced(writers: tuple[int, ...], fn) -> float:
+        """The ``writers`` run ``fn``, then every rank fences ``det`` (the owner reduces its slots);
+        returns the slower rank's time for both together."""
+        dist.barrier()
+        start = time.perf_counter()
+        if rank in writers:
+            fn()
+        det.fence()
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        return float(elapsed)
+
     ops = {
         "memcpy_gbps": lambda: solo(lambda: dst.copy_(src)),
         "get_gbps": lambda: solo(lambda: shm.get("param", peer, 0, dst)),
         "add_gbps": lambda: solo(lambda: dst.add_(src)),
         "accumulate_gbps": lambda: solo(lambda: shm.accumulate("grad", peer, 0, src)),
         "accumulate2_gbps": lambda: both(lambda: shm.accumulate("grad", 0, 0, src)),
+        "det_accumulate_gbps": lambda: fenced((0,), lambda: det.accumulate("grad", 1, 0, src)),
+        "det_accumulate2_gbps": lambda: fenced((0, 1), lambda: det.accumulate("grad", 0, 0, src)),
         "allgather_gbps": lambda: both(lambda: coll.gather_shards("param", gathered)),
         "reducescatter_gbps": lambda: both(lambda: coll.scatter_accumulate("grad", grads)),
     }
@@ -123,9 +148,12 @@ def _bench(rank: int, result_path: str, size_mib: int, repeats: int) -> None:
         "add_gbps": nbytes,
         "accumulate_gbps": nbytes,
         "accumulate2_gbps": 2 * nbytes,
+        "det_accumulate_gbps": nbytes,
+        "det_accumulate2_gbps": 2 * nbytes,
         "allgather_gbps": WORLD_SIZE * nbytes,
         "reducescatter_gbps": WORLD_SIZE * nbytes,
     }
+    load_before = os.getloadavg()[0]
     for op in ops.values():  # warm-up: page faults, mappings, gloo buffers
         op()
     times: dict[str, list[float]] = {key: [] for key in ops}
@@ -134,7 +162,13 @@ def _bench(rank: int, result_path: str, size_mib: int, repeats: int) -> None:
     # operations they came out 20-40% slower (observed on the 2-vCPU CI VM). Every other repeat swaps
     # each baseline with its transport operation, so that neither always goes first.
     pairs = [("memcpy_gbps", "get_gbps"), ("add_gbps", "accumulate_gbps")]
-    rest = ["accumulate2_gbps", "allgather_gbps", "reducescatter_gbps"]
+    rest = [
+        "accumulate2_gbps",
+        "det_accumulate_gbps",
+        "det_accumulate2_gbps",
+        "allgather_gbps",
+        "reducescatter_gbps",
+    ]
     for repeat in range(repeats):
         dist.barrier()
         time.sleep(0.2)
@@ -148,7 +182,14 @@ def _bench(rank: int, result_path: str, size_mib: int, repeats: int) -> None:
         out = torch.empty(1024)
         shm.get("param", peer, numel - 1024, out)
         assert torch.equal(out, torch.full_like(out, float(peer + 1)))
+        # Every deterministic round (warm-up + repeats) added 0.5 from rank 0 into rank 1, and 0.5 from
+        # each rank into rank 0: exact in fp32.
+        rounds = repeats + 1
+        det.get("grad", peer, numel - 1024, out)
+        assert torch.equal(out, torch.full_like(out, 0.5 * rounds))
+        assert torch.equal(det.local("grad")[:1024], torch.full((1024,), 1.0 * rounds))
     shm.close()
+    det.close()
     coll.close()
     if rank == 0:
         report: dict[str, object] = {
@@ -168,6 +209,9 @@ def _bench(rank: int, result_path: str, size_mib: int, repeats: int) -> None:
             num_cpus=os.cpu_count(),
             get_over_memcpy=report["get_gbps"] / report["memcpy_gbps"],
             accumulate_over_add=report["accumulate_gbps"] / report["add_gbps"],
+            det_accumulate_over_accumulate=report["det_accumulate_gbps"]
+            / report["accumulate_gbps"],
+            load_average_1m=[round(load_before, 2), round(os.getloadavg()[0], 2)],
         )
         Path(result_path).write_text(json.dumps(report))
 
@@ -199,14 +243,17 @@ def run(size_mib: int, repeats: int) -> dict[str, object]:
 def _table(report: dict[str, object]) -> str:
     lines = [
         f"transport benchmark: {report['world_size']} ranks, {report['size_mib']} MiB fp32 shard, "
-        f"median of {report['repeats']}, 1 torch thread, {report['cpu']} ({report['num_cpus']} cpus)",
+        f"median of {report['repeats']}, 1 torch thread, {report['cpu']} ({report['num_cpus']} cpus), "
+        f"load average (1 min) before / after {report['load_average_1m'][0]:.2f} / "
+        f"{report['load_average_1m'][1]:.2f}",
         f"{'operation':<55} {'GB/s':>8}",
     ]
     for key, label in KEYS:
         lines.append(f"{label:<55} {report[key]:>8.2f}")
     lines.append(
         f"get / memcpy = {report['get_over_memcpy']:.2f} (accept >= 0.9); "
-        f"accumulate / add_ = {report['accumulate_over_add']:.2f} (accept >= 0.8)"
+        f"accumulate / add_ = {report['accumulate_over_add']:.2f} (accept >= 0.8); "
+        f"deterministic / locked accumulate = {report['det_accumulate_over_accumulate']:.2f}"
     )
     return "\n".join(lines) + "\n"
 

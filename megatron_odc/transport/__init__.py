@@ -5,6 +5,8 @@
 - ``cuda`` (:class:`CudaSymmTransport`): PyTorch symmetric memory between the GPUs of one node;
 - ``collective`` (:class:`CollectiveTransport`): torch.distributed collectives in lockstep (the FSDP
   baseline);
+- ``staging``: the staging slots and fixed-order owner reduce of the deterministic accumulate modes
+  (``shm`` and ``cuda``);
 - ``registry``: the one list of transports, ``build_transport(name, group, **options)``;
 - ``devices``: which device a process group's collectives need.
 

@@ -27,8 +27,9 @@ is imported at module level, so this module imports on CPU; constructing the tra
 ``ValueError``. Ranks on several hosts need the NVSHMEM backend, whose data path is not implemented here:
 ``choose_backend`` refuses with a message naming the ``collective`` transport as the portable fallback.
 
-The pure functions (slot offsets, chunking, peer rotation, owner reduce order, kernel choice, the owner
-reduce itself) carry the logic and are tested on CPU. It imports no megatron module.
+The pure functions (chunking, peer rotation, kernel choice; the staging slots and the owner reduce, shared
+with the ``shm`` transport, live in ``staging.py``) carry the logic and are tested on CPU. It imports no
+megatron module.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_odc.transport.base import ACCUMULATE_SOURCE_DTYPES, BufferSpec, Transport
+from megatron_odc.transport.staging import owner_reduce, staging_numel, staging_slot_offset
 
 logger = logging.getLogger(__name__)
 
@@ -177,27 +179,6 @@ def choose_backend(num_hosts: int, features: SymmMemFeatures, requested: str | N
 # ---------------------------------------------------------------------- pure layout / order logic
 
 
-def staging_slot_offset(src_rank: int, world_size: int, shard_numel: int) -> int:
-    """Element offset of source ``src_rank``'s slot in an owner's staging buffer.
-
-    The staging buffer of a buffer with ``shard_numel`` elements per rank holds ``world_size`` slots of
-    ``shard_numel`` elements, slot ``s`` at ``s * shard_numel``; only source ``s`` writes slot ``s``.
-
-    Raises:
-        ValueError: ``src_rank`` is outside the group or ``shard_numel`` is negative.
-    """
-    if not 0 <= src_rank < world_size:
-        raise ValueError(f"source rank {src_rank} is outside a group of size {world_size}")
-    if shard_numel < 0:
-        raise ValueError(f"shard_numel must be >= 0, got {shard_numel}")
-    return src_rank * shard_numel
-
-
-def staging_numel(world_size: int, shard_numel: int) -> int:
-    """Elements of one owner's staging buffer: one shard-sized slot per source."""
-    return world_size * shard_numel
-
-
 def chunk_ranges(offset: int, numel: int, chunk_numel: int) -> list[tuple[int, int]]:
     """Split ``[offset, offset + numel)`` into consecutive ranges of at most ``chunk_numel`` elements.
 
@@ -225,14 +206,6 @@ def peer_rotation(rank: int, world_size: int) -> list[int]:
     return [(rank + step) % world_size for step in range(world_size)]
 
 
-def owner_reduce_order(world_size: int) -> list[int]:
-    """The order in which an owner adds the staging slots: source 0, 1, ..., W-1, whatever the arrival.
-
-    A fixed order (not arrival order) is what makes the deterministic mode bitwise reproducible.
-    """
-    return list(range(world_size))
-
-
 def select_accumulate_kernel(src_dtype: torch.dtype, dst_dtype: torch.dtype, mode: str) -> str:
     """Name of the device routine that accumulates ``src_dtype`` into ``dst_dtype`` in ``mode``.
 
@@ -256,25 +229,6 @@ def select_accumulate_kernel(src_dtype: torch.dtype, dst_dtype: torch.dtype, mod
     if mode == "deterministic":
         return "staging_add"
     return "atomic_add_f32" if src_dtype == torch.float32 else "atomic_add_cast_f32"
-
-
-def owner_reduce(accumulator: torch.Tensor, staging: torch.Tensor, world_size: int) -> None:
-    """Deterministic owner-side reduce: add every source's slot into ``accumulator``, then zero the slots.
-
-    Adds slot by slot in ``owner_reduce_order`` so the result depends only on the slot contents, never
-    on which source finished first. Works on any device (pure torch).
-
-    Args:
-        accumulator: the owner's fp32 shard (``n`` elements).
-        staging: the owner's staging buffer (``world_size * n`` elements).
-        world_size: number of sources.
-    """
-    n = accumulator.numel()
-    assert staging.numel() == staging_numel(world_size, n), (staging.numel(), world_size, n)
-    slots = staging.view(world_size, n)
-    for src in owner_reduce_order(world_size):
-        accumulator.add_(slots[src])
-    staging.zero_()
 
 
 # ---------------------------------------------------------------------- Triton kernel (lazy)

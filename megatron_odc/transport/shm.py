@@ -1,11 +1,26 @@
 """The shared-memory transport: one-sided get and accumulate between the ranks of one host.
 
 Every rank's shard of every buffer is a file in ``shm_dir`` (``/dev/shm`` by default) that every rank of the
-group maps (``mmap``, shared). ``get`` is a ``copy_`` out of the peer's mapping and
-``accumulate`` an ``add_`` into it; the owner does nothing. Concurrent accumulates are made safe by striped
-Linux OFD byte-range locks (one lock byte per stripe of ``lock_stripe_nbytes`` of each owner's shard), which
-the kernel releases if the holder dies. ``fence`` is a barrier on a small shared control block (one epoch
-and one pid slot per rank) rather than on gloo, so that it can name a dead or missing peer.
+group maps (``mmap``, shared). ``get`` is a ``copy_`` out of the peer's mapping; the owner does nothing.
+``accumulate`` has two modes (``accumulate_mode``, one of :data:`SHM_ACCUMULATE_MODES`):
+
+- ``"locked"`` (default): an ``add_`` into the owner's shard. Concurrent accumulates are made safe by
+  striped Linux OFD byte-range locks (one lock byte per stripe of ``lock_stripe_nbytes`` of each owner's
+  shard), which the kernel releases if the holder dies. No memory overhead; the adds land in arrival
+  order, so two identical runs may differ in the last bits.
+- ``"deterministic"``: every accumulate target (fp32, registered with ``accumulate=True``) gets a second
+  file per owner, its *staging* buffer of ``world_size`` slots of one shard each (see ``staging.py``).
+  ``accumulate`` adds into the source's own slot at the owner, without a lock (only that source writes
+  it), and raises the source's dirty flag for that owner in the control block. ``fence`` then, after its
+  barrier, has every owner add the dirty slots into its shard in source order 0, 1, ..., W-1 and zero
+  them, then a second barrier keeps sources from writing a slot before it is drained. Bitwise
+  reproducible whatever the arrival order; clean slots are skipped (adding zero is exact), so a fence
+  with no accumulate before it reduces nothing. Memory price: one fp32 shard per source per accumulate
+  buffer at each owner (``world_size`` times the buffer's shared memory), plus the reduce's pass over
+  the written slots at every fence.
+
+``fence`` is a barrier on a small shared control block (one epoch and one pid slot per rank, and one
+dirty flag per owner and source) rather than on gloo, so that it can name a dead or missing peer.
 
 Every file is unlinked as soon as all ranks have mapped it, so a crashed run leaves nothing behind after
 its set-up. See [Note: shared-memory files] for what makes a file trustworthy and how stale ones go.
@@ -53,8 +68,12 @@ from megatron_odc.transport.base import (
     TransportError,
     check_same_registration,
 )
+from megatron_odc.transport.staging import owner_reduce, staging_numel, staging_slot_offset
 
 logger = logging.getLogger(__name__)
+
+SHM_ACCUMULATE_MODES = ("locked", "deterministic")
+"""``accumulate_mode`` choices of ``ShmTransport``."""
 
 SHM_DIR_ENV = "MEGATRON_ODC_SHM_DIR"
 """Environment variable that overrides the default shared-memory directory."""
@@ -166,23 +185,32 @@ class ShmTransport(Transport):
         group: the process group (gloo); ``None`` means the default (WORLD) group. All its ranks must run
             on one host. ``rank`` and ``world_size`` are ranks within this group, and peers are addressed
             by group rank.
+        accumulate_mode: ``"locked"`` (add into the owner's shard under stripe locks, in arrival order)
+            or ``"deterministic"`` (add into the source's staging slot at the owner; ``fence`` reduces
+            the slots in source order); every rank must use the same.
         shm_dir: directory for the shared files; defaults to ``$MEGATRON_ODC_SHM_DIR`` or ``/dev/shm``.
         timeout_s: how long ``fence`` waits for a peer before raising ``TransportError``.
-        lock_stripe_nbytes: bytes of an owner's shard covered by one accumulate lock.
+        lock_stripe_nbytes: bytes of an owner's shard covered by one accumulate lock (locked mode).
 
     Raises:
-        ValueError: ``shm_dir`` does not exist or is not writable, the ranks are on different hosts, or an
-            argument is out of range.
+        ValueError: ``shm_dir`` does not exist or is not writable, the ranks are on different hosts or
+            use different accumulate modes, or an argument is out of range.
     """
 
     def __init__(
         self,
         group: dist.ProcessGroup | None = None,
         *,
+        accumulate_mode: str = "locked",
         shm_dir: str | os.PathLike[str] | None = None,
         timeout_s: float = 60.0,
         lock_stripe_nbytes: int = 1 << 20,
     ) -> None:
+        if accumulate_mode not in SHM_ACCUMULATE_MODES:
+            raise ValueError(
+                f"accumulate_mode {accumulate_mode!r} is not one of "
+                f"{', '.join(repr(m) for m in SHM_ACCUMULATE_MODES)}"
+            )
         if not dist.is_initialized():
             raise ValueError("ShmTransport needs an initialized torch.distributed process group")
         super().__init__(dist.get_rank(group), dist.get_world_size(group))
@@ -193,6 +221,7 @@ class ShmTransport(Transport):
                 f"lock_stripe_nbytes must be an integer >= 4, got {lock_stripe_nbytes}"
             )
         self._group = group
+        self.accumulate_mode = accumulate_mode
         self.shm_dir = Path(shm_dir or os.environ.get(SHM_DIR_ENV) or DEFAULT_SHM_DIR)
         self.timeout_s = float(timeout_s)
         self.lock_stripe_nbytes = int(lock_stripe_nbytes)
@@ -200,10 +229,14 @@ class ShmTransport(Transport):
         self._created: dict[Path, int] = {}  # files this rank created that may still exist -> fd
         self._peer_views: dict[str, list[torch.Tensor]] = {}
         self._peer_arrays: dict[str, list[np.ndarray]] = {}  # numpy views of the fp32 ones
+        # Deterministic mode: buffer -> every owner's staging buffer (world_size slots of one shard).
+        self._staging_views: dict[str, list[torch.Tensor]] = {}
+        self._slot_locks: list[threading.Lock] = []  # per owner: this rank's threads take turns
         self._lock_base: dict[str, int] = {}  # first lock byte of each buffer
         self._next_lock_byte = 0
         self._num_buffers = 0
-        self._fence_epoch = 0
+        self._fence_epoch = 0  # barriers passed (two per fence in deterministic mode)
+        self._fence_count = 0  # fences called, for messages
         self._fds_lock = threading.Lock()
         self._fds: list[int] = []  # every lock-file descriptor this rank opened
         self._thread_fd = threading.local()
@@ -212,6 +245,7 @@ class ShmTransport(Transport):
         self._ctrl: torch.Tensor | None = None
         self._ctrl_epochs: torch.Tensor | None = None
         self._ctrl_pids: torch.Tensor | None = None
+        self._ctrl_dirty: torch.Tensor | None = None
         self._atexit_hook = functools.partial(_atexit_close, weakref.ref(self))
         atexit.register(self._atexit_hook)
         try:
@@ -240,7 +274,7 @@ class ShmTransport(Transport):
             # Neither open creates a file: both fail if rank 0's files are absent.
             self._lock_fd = os.open(lock_path, os.O_RDWR)
             self._fds.append(self._lock_fd)
-            self._ctrl = self._map(ctrl_path, "ctrl", 2 * self.world_size, torch.int64)
+            self._ctrl = self._map(ctrl_path, "ctrl", self._ctrl_numel(), torch.int64)
             self._ctrl[self.world_size + self.rank] = self._pid
         except (OSError, RuntimeError, TransportError) as exc:
             error = (
@@ -248,20 +282,35 @@ class ShmTransport(Transport):
             )
         # Doubles as the barrier after which rank 0 may unlink the control block and the lock file.
         infos: list[object] = [None] * self.world_size
-        dist.all_gather_object(infos, (socket.gethostname(), error), group=self._group)
+        dist.all_gather_object(
+            infos, (socket.gethostname(), error, self.accumulate_mode), group=self._group
+        )
         if self.rank == 0:
             self._unlink_created()
-        for rank, (host, rank_error) in enumerate(infos):
+        for rank, (host, rank_error, mode) in enumerate(infos):
             if host != infos[0][0]:
                 raise ValueError(
                     f"ShmTransport needs every rank on one host: rank 0 is on {infos[0][0]!r}, rank "
                     f"{rank} on {host!r}"
                 )
+            if mode != infos[0][2]:
+                raise ValueError(
+                    f"ShmTransport needs one accumulate_mode on every rank: rank 0 uses "
+                    f"{infos[0][2]!r}, rank {rank} {mode!r}"
+                )
             if rank_error is not None:
                 raise TransportError(rank_error)
         assert self._ctrl is not None
-        self._ctrl_epochs = self._ctrl[: self.world_size]
-        self._ctrl_pids = self._ctrl[self.world_size :]
+        w = self.world_size
+        self._ctrl_epochs = self._ctrl[:w]
+        self._ctrl_pids = self._ctrl[w : 2 * w]
+        # dirty[owner, source] != 0: source wrote its staging slots at owner since owner's last reduce.
+        self._ctrl_dirty = self._ctrl[2 * w :].view(w, w)
+        self._slot_locks = [threading.Lock() for _ in range(w)]
+
+    def _ctrl_numel(self) -> int:
+        """int64 words of the control block: epoch and pid per rank, dirty flag per (owner, source)."""
+        return 2 * self.world_size + self.world_size * self.world_size
 
     def _create_run_files(self) -> tuple[str, str, Path, Path] | str:
         """On rank 0: remove stale files, then create the control block and lock file."""
@@ -277,7 +326,7 @@ class ShmTransport(Transport):
         ctrl_path = self._path(run_id, "ctrl")
         lock_path = self._path(run_id, "lock")
         try:
-            self._create_file(ctrl_path, "ctrl", 2 * self.world_size * 8, run_id)
+            self._create_file(ctrl_path, "ctrl", self._ctrl_numel() * 8, run_id)
             self._create_file(lock_path, None, 0, run_id)
         except OSError as exc:
             self._unlink_created()
@@ -336,41 +385,59 @@ class ShmTransport(Transport):
 
     # ------------------------------------------------------------------ protocol
 
+    def _stages(self, spec: BufferSpec) -> bool:
+        """Whether ``spec`` gets staging slots: deterministic mode, a non-empty fp32 accumulate target."""
+        return (
+            self.accumulate_mode == "deterministic"
+            and spec.accumulate
+            and spec.dtype == torch.float32
+            and spec.numel > 0
+        )
+
     def _register(self, spec: BufferSpec) -> torch.Tensor:
         index = self._num_buffers
-        path = self._path(self.run_id, f"b{index}-r{self.rank}")
-        local: torch.Tensor | None = None
+        # (role prefix, dtype, numel) of each file every owner creates for this buffer: its shard and, in
+        # deterministic mode, its staging slots (one shard per source).
+        files = [("b", spec.dtype, spec.numel)] if spec.numel else []
+        if self._stages(spec):
+            files.append(("s", torch.float32, staging_numel(self.world_size, spec.numel)))
+        own: list[torch.Tensor] = []
+        paths: list[str] = []
         error = None
-        role = f"b{index}-r{self.rank}"
-        if spec.numel:
+        for kind, dtype, numel in files:
+            role = f"{kind}{index}-r{self.rank}"
+            path = self._path(self.run_id, role)
+            paths.append(str(path))
             try:
                 # posix_fallocate leaves the new file zero-filled, so the mapping needs no zero_().
-                self._create_file(path, role, spec.numel * spec.dtype.itemsize, self.run_id)
-                local = self._map(path, role, spec.numel, spec.dtype)
+                self._create_file(path, role, numel * dtype.itemsize, self.run_id)
+                own.append(self._map(path, role, numel, dtype))
             except (OSError, RuntimeError, TransportError) as exc:
                 error = f"rank {self.rank} could not create and map {str(path)!r}: {exc}"
-        else:
-            local = torch.empty(0, dtype=spec.dtype)
+                break
         try:
             infos: list[object] = [None] * self.world_size
             dist.all_gather_object(
-                infos, (spec.name, spec.numel, str(spec.dtype), str(path), error), group=self._group
+                infos, (spec.name, spec.numel, str(spec.dtype), paths, error), group=self._group
             )
             self._check_same_spec(spec, infos)
-            views: list[torch.Tensor] = []
+            # views[f][peer]: peer's tensor of file f (the shard, then the staging slots).
+            views: list[list[torch.Tensor]] = [[] for _ in files]
             error = None
             for peer, info in enumerate(infos):
-                if peer == self.rank:
-                    views.append(local)
-                    continue
-                peer_path = info[3]
-                if not spec.numel:
-                    views.append(torch.empty(0, dtype=spec.dtype))
-                    continue
-                try:
-                    views.append(self._map(peer_path, f"b{index}-r{peer}", spec.numel, spec.dtype))
-                except (OSError, RuntimeError, TransportError) as exc:
-                    error = f"rank {self.rank} could not map rank {peer}'s {peer_path!r}: {exc}"
+                for f, (kind, dtype, numel) in enumerate(files):
+                    if peer == self.rank:
+                        views[f].append(own[f])
+                        continue
+                    peer_path = info[3][f]
+                    try:
+                        views[f].append(
+                            self._map(peer_path, f"{kind}{index}-r{peer}", numel, dtype)
+                        )
+                    except (OSError, RuntimeError, TransportError) as exc:
+                        error = f"rank {self.rank} could not map rank {peer}'s {peer_path!r}: {exc}"
+                        break
+                if error is not None:
                     break
             # Barrier: once every rank has mapped every file, the owners unlink theirs.
             errors: list[object] = [None] * self.world_size
@@ -380,16 +447,19 @@ class ShmTransport(Transport):
                     raise TransportError(f"buffer {spec.name!r}: {rank_error}")
         finally:
             self._unlink_created()
-        assert local is not None
+        if not spec.numel:
+            views = [[torch.empty(0, dtype=spec.dtype) for _ in range(self.world_size)]]
         stripe_numel = self._stripe_numel(spec)
         num_stripes = -(-spec.numel // stripe_numel)
         self._lock_base[spec.name] = self._next_lock_byte
         self._next_lock_byte += self.world_size * num_stripes
-        self._peer_views[spec.name] = views
+        self._peer_views[spec.name] = views[0]
         if spec.dtype == torch.float32:
-            self._peer_arrays[spec.name] = [view.numpy() for view in views]
+            self._peer_arrays[spec.name] = [view.numpy() for view in views[0]]
+        if len(files) > 1:
+            self._staging_views[spec.name] = views[1]
         self._num_buffers += 1
-        return local
+        return views[0][self.rank]
 
     def _check_same_spec(self, spec: BufferSpec, infos: list) -> None:
         for info in infos:
@@ -407,8 +477,11 @@ class ShmTransport(Transport):
         numel = src.numel()
         if numel == 0:
             return
-        dst = self._peer_views[spec.name][peer]
         src_flat = src.view(-1)
+        if self.accumulate_mode == "deterministic":
+            self._accumulate_into_slot(spec, peer, offset, src_flat)
+            return
+        dst = self._peer_views[spec.name][peer]
         # fp32 sources go through numpy: its per-call overhead is far lower than torch's, which costs
         # ~10% of a 1 MiB stripe's add_ (measured). Other dtypes are cast by torch's add_.
         dst_array = src_array = None
@@ -445,6 +518,20 @@ class ShmTransport(Transport):
                     struct.pack(_FLOCK_FORMAT, fcntl.F_UNLCK, 0, lock_byte, 1, 0),
                 )
 
+    def _accumulate_into_slot(
+        self, spec: BufferSpec, peer: int, offset: int, src_flat: torch.Tensor
+    ) -> None:
+        """Deterministic mode: add into this rank's own staging slot at ``peer``, without a file lock.
+
+        Only this rank writes this slot, so no other process can race it; this rank's threads take turns
+        (their interleaving would decide the order of the adds otherwise). ``fence`` reduces the slot.
+        """
+        base = staging_slot_offset(self.rank, self.world_size, spec.numel) + offset
+        slot = self._staging_views[spec.name][peer][base : base + src_flat.numel()]
+        with self._slot_locks[peer]:
+            self._ctrl_dirty[peer, self.rank] = 1
+            slot.add_(src_flat)  # bf16 / fp16 sources are cast to fp32 by add_, as in locked mode
+
     def _thread_lock_fd(self) -> int:
         """This thread's descriptor on the lock file (OFD locks exclude per open file description)."""
         fd = getattr(self._thread_fd, "fd", None)
@@ -466,13 +553,38 @@ class ShmTransport(Transport):
     def fence(self) -> None:
         """Wait until every rank of the group has reached the same number of fences.
 
+        In deterministic mode every owner then adds its staging slots into its shard in source order
+        0, 1, ..., W-1 (only the slots written since its last reduce) and zeroes them, and a second
+        barrier keeps every source from writing a slot again before its owner has drained it.
+
         Raises:
             TransportError: a peer died (named with its pid), or some ranks did not arrive within
                 ``timeout_s`` (named), or the transport is closed.
         """
         self._check_open()
+        self._fence_count += 1
+        self._barrier("")
+        if self._staging_views:
+            self._reduce_staging()
+            self._barrier(" (after the owner reduce)")
+
+    def _reduce_staging(self) -> None:
+        """Owner side of the deterministic mode: reduce the dirty slots of every staging buffer."""
+        dirty = self._ctrl_dirty[self.rank]
+        sources = [src for src in range(self.world_size) if int(dirty[src])]
+        if not sources:
+            return  # nothing was accumulated into this owner since its last reduce: nothing to add
+        for name, staging in self._staging_views.items():
+            owner_reduce(
+                self._peer_views[name][self.rank], staging[self.rank], self.world_size, sources
+            )
+        dirty.zero_()  # no source writes a flag until the second barrier has passed
+
+    def _barrier(self, what: str) -> None:
+        """One epoch barrier on the control block, naming dead or late peers as fence ``what``."""
         self._fence_epoch += 1
         epoch = self._fence_epoch
+        fence = f"fence {self._fence_count}{what}"
         self._ctrl_epochs[self.rank] = epoch
         start = time.monotonic()
         next_check = start + _LIVENESS_PERIOD_S
@@ -491,11 +603,11 @@ class ShmTransport(Transport):
             if dead:
                 names = ", ".join(f"rank {r} (pid {int(self._ctrl_pids[r])})" for r in dead)
                 raise TransportError(
-                    f"rank {self.rank}: fence {epoch}: {names} died before reaching the fence"
+                    f"rank {self.rank}: {fence}: {names} died before reaching the fence"
                 )
             if now - start > self.timeout_s:
                 raise TransportError(
-                    f"rank {self.rank}: fence {epoch} timed out after {self.timeout_s:g} s waiting "
+                    f"rank {self.rank}: {fence} timed out after {self.timeout_s:g} s waiting "
                     f"for rank(s) {', '.join(str(r) for r in missing)}"
                 )
 
@@ -504,8 +616,9 @@ class ShmTransport(Transport):
             atexit.unregister(self._atexit_hook)
         self._peer_views.clear()
         self._peer_arrays.clear()
+        self._staging_views.clear()
         self._ctrl = None
-        self._ctrl_epochs = self._ctrl_pids = None
+        self._ctrl_epochs = self._ctrl_pids = self._ctrl_dirty = None
         with self._fds_lock:
             fds, self._fds = self._fds, []
         for fd in fds:

@@ -23,11 +23,13 @@ from megatron_odc.transport.cuda import (
     SymmMemFeatures,
     choose_backend,
     chunk_ranges,
-    owner_reduce,
-    owner_reduce_order,
     peer_rotation,
     probe_symm_mem,
     select_accumulate_kernel,
+)
+from megatron_odc.transport.staging import (
+    owner_reduce,
+    owner_reduce_order,
     staging_numel,
     staging_slot_offset,
 )
@@ -215,6 +217,26 @@ def test_owner_reduce_is_the_exact_fixed_order_sum_whatever_the_arrival(world_si
 
 def test_owner_reduce_order_is_fixed() -> None:
     assert owner_reduce_order(4) == [0, 1, 2, 3]
+
+
+def test_owner_reduce_of_the_written_sources_only_is_bitwise_the_full_reduce() -> None:
+    # The shm transport skips slots nobody wrote since the last reduce: adding a zero slot is exact.
+    world_size, n = 4, 333
+    gen = torch.Generator().manual_seed(3)
+    staging = torch.zeros(staging_numel(world_size, n))
+    for src in (1, 3):
+        staging[staging_slot_offset(src, world_size, n) :][:n] = torch.randn(n, generator=gen) * 1e3
+    full = torch.randn(n, generator=gen)
+    part = full.clone()
+    staging_copy = staging.clone()
+    owner_reduce(full, staging, world_size)
+    owner_reduce(part, staging_copy, world_size, sources=[3, 1])
+    assert torch.equal(full, part)
+    assert int(staging_copy.count_nonzero()) == 0
+    # Only the named slots are touched: a slot left out keeps its contents.
+    staging_copy[:n] = 1.0
+    owner_reduce(part, staging_copy, world_size, sources=[2])
+    assert torch.equal(staging_copy[:n], torch.ones(n))
 
 
 # ---------------------------------------------------------------------- kernel choice

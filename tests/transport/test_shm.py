@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_odc.transport import TransportError, build_transport
-from megatron_odc.transport.shm import ShmTransport, _lock_liveness
+from megatron_odc.transport.shm import SHM_ACCUMULATE_MODES, ShmTransport, _lock_liveness
 from tests._dist import SHM_ROOT, RankFailureError, run_ranks
 from tests.transport._cases import mismatched_registrations
 
@@ -171,9 +171,10 @@ def _check_errors(t: ShmTransport, shm_dir: str) -> None:
     t.fence()
 
 
-def _check_two_jobs_and_close(rank: int, world_size: int, shm_dir: str) -> None:
-    a = ShmTransport(lock_stripe_nbytes=STRIPE_SMALL_NBYTES)
-    b = build_transport("shm", None, lock_stripe_nbytes=STRIPE_SMALL_NBYTES)
+def _check_two_jobs_and_close(rank: int, world_size: int, shm_dir: str, mode: str) -> None:
+    a = ShmTransport(accumulate_mode=mode, lock_stripe_nbytes=STRIPE_SMALL_NBYTES)
+    b = build_transport("shm", None, accumulate_mode=mode, lock_stripe_nbytes=STRIPE_SMALL_NBYTES)
+    assert (a.accumulate_mode, b.accumulate_mode) == (mode, mode)
     assert a.run_id != b.run_id
     a.register("same", 256, torch.float32).fill_(rank + 1)
     b.register("same", 256, torch.float32).fill_(-(rank + 1))
@@ -207,7 +208,7 @@ def _check_two_jobs_and_close(rank: int, world_size: int, shm_dir: str) -> None:
     b.close()
 
 
-def _run_main(rank: int, world_size: int, dead_pid: int) -> None:
+def _run_main(rank: int, world_size: int, dead_pid: int, mode: str) -> None:
     shm_dir = os.environ["MEGATRON_ODC_SHM_DIR"]
     # Liveness is the creator's lock, not the pid in the name (see [Note: shared-memory files]): an
     # unlocked old file goes even when its name carries a live pid; a locked one stays even when its pid
@@ -225,7 +226,7 @@ def _run_main(rank: int, world_size: int, dead_pid: int) -> None:
         _lock_liveness(held)
         young.write_bytes(b"z")
     dist.barrier()
-    t = ShmTransport(lock_stripe_nbytes=STRIPE_SMALL_NBYTES)
+    t = ShmTransport(accumulate_mode=mode, lock_stripe_nbytes=STRIPE_SMALL_NBYTES)
     assert (t.rank, t.world_size) == (rank, world_size)
     if rank == 0:
         assert not stale.exists()
@@ -245,10 +246,10 @@ def _run_main(rank: int, world_size: int, dead_pid: int) -> None:
     t.close()
 
     # Default (1 MiB) stripes, fewer but larger operations.
-    with ShmTransport() as t:
+    with ShmTransport(accumulate_mode=mode) as t:
         t.register("acc", DEFAULT_STRIPE_SHARD_NUMEL, torch.float32)
         _check_accumulate(t, "acc", DEFAULT_STRIPE_SHARD_NUMEL, NUM_ACC_OPS_DEFAULT_STRIPE, seed=2)
-    _check_two_jobs_and_close(rank, world_size, shm_dir)
+    _check_two_jobs_and_close(rank, world_size, shm_dir, mode)
     _assert_no_files(shm_dir)
 
 
@@ -258,9 +259,113 @@ def _dead_pid() -> int:
     return proc.pid
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_shm_transport(world_size: int) -> None:
-    run_ranks(_run_main, world_size, _dead_pid(), timeout_s=300)
+@pytest.mark.parametrize(
+    ("world_size", "mode"),
+    [(2, "locked"), (4, "locked"), (3, "deterministic"), (4, "deterministic")],
+)
+def test_shm_transport(world_size: int, mode: str) -> None:
+    # Every check of the transport in both accumulate modes: among them, integer-valued fp32, bf16 and
+    # fp16 accumulates from every rank into every owner at once give exact sums, the generic mismatched
+    # registrations are refused, and no file is left in the shm dir after set-up, a refusal or close.
+    run_ranks(_run_main, world_size, _dead_pid(), mode, timeout_s=300)
+
+
+ARRIVAL_NUMEL = 20_000
+ARRIVAL_PUSHES = 3  # per source and owner, overlapping random ranges
+ARRIVAL_STEP_S = 0.03  # delay between consecutive ranks of one repetition's arrival order
+
+
+def _arrival_pushes(src: int, world_size: int, seed: int) -> list[tuple[int, int, torch.Tensor]]:
+    """``(owner, offset, values)`` of source ``src``: random fp32 of mixed magnitudes, reproducibly."""
+    gen = torch.Generator().manual_seed(seed * 1000 + src)
+    pushes = []
+    for owner in range(world_size):
+        for _ in range(ARRIVAL_PUSHES):
+            lo = int(torch.randint(0, ARRIVAL_NUMEL // 2, (1,), generator=gen))
+            hi = int(torch.randint(ARRIVAL_NUMEL // 2, ARRIVAL_NUMEL + 1, (1,), generator=gen))
+            scale = 10 ** (torch.rand(hi - lo, generator=gen) * 2 - 2)  # 0.01 .. 1
+            values = torch.randn(hi - lo, generator=gen) * scale
+            pushes.append((owner, lo, values.to(torch.bfloat16 if src == 1 else torch.float32)))
+    return pushes
+
+
+def _arrival_order(world_size: int, repetition: int, seed: int) -> list[int]:
+    """The ranks in the order they push in ``repetition``: a random order, reversed for the second."""
+    order = random.Random(seed).sample(range(world_size), world_size)
+    return order if repetition % 2 == 0 else order[::-1]
+
+
+def _run_arrival_orders(rank: int, world_size: int, mode: str, seed: int) -> list[bytes]:
+    """Accumulate the same random sums twice, the ranks arriving in different orders; returns this
+    owner's shard after each repetition, as bytes."""
+    shm_dir = os.environ["MEGATRON_ODC_SHM_DIR"]
+    other = "deterministic" if mode == "locked" else "locked"
+    with pytest.raises(
+        ValueError, match=rf"one accumulate_mode on every rank: rank 0 uses {mode!r}"
+    ):
+        ShmTransport(accumulate_mode=mode if rank == 0 else other)
+    _assert_no_files(shm_dir)
+
+    t = ShmTransport(accumulate_mode=mode, lock_stripe_nbytes=STRIPE_SMALL_NBYTES)
+    shard = t.register("grad", ARRIVAL_NUMEL, torch.float32)
+    t.register(
+        "params", 64, torch.float32, accumulate=False
+    )  # no staging slots for a read-only one
+    assert sorted(t._staging_views) == (["grad"] if mode == "deterministic" else [])
+    _assert_no_files(shm_dir)
+    pushes = _arrival_pushes(rank, world_size, seed)
+    expected = torch.zeros(ARRIVAL_NUMEL, dtype=torch.float64)
+    for src in range(world_size):
+        for owner, lo, values in _arrival_pushes(src, world_size, seed):
+            if owner == rank:
+                expected[lo : lo + values.numel()] += values.double()
+    results = []
+    for repetition in range(2):
+        shard.fill_(0.25)
+        t.fence()  # every owner has reset its shard before anyone accumulates
+        position = _arrival_order(world_size, repetition, seed).index(rank)
+        jitter = random.Random(seed * 7 + 10 * repetition + rank)
+        time.sleep(position * ARRIVAL_STEP_S + jitter.uniform(0, ARRIVAL_STEP_S / 4))
+        for k in range(world_size):  # start at a different owner on every rank
+            owner = (rank + k) % world_size
+            for peer, lo, values in pushes:
+                if peer == owner:
+                    t.accumulate("grad", owner, lo, values)
+        t.fence()
+        torch.testing.assert_close(shard.double(), expected + 0.25, rtol=0, atol=1e-5)
+        results.append(shard.numpy().tobytes())
+        if mode == "deterministic":
+            # Drained: every slot zero and every dirty flag down, so that a fence with no accumulate
+            # before it (the one after the optimizer step) reduces nothing.
+            assert int(t._staging_views["grad"][rank].count_nonzero()) == 0
+            assert int(t._ctrl_dirty.count_nonzero()) == 0
+            t.fence()
+            torch.testing.assert_close(shard.double(), expected + 0.25, rtol=0, atol=1e-5)
+    t.close()
+    _assert_no_files(shm_dir)
+    return results
+
+
+@pytest.mark.parametrize("mode", SHM_ACCUMULATE_MODES)
+def test_random_sums_do_not_depend_on_the_arrival_order_in_deterministic_mode(mode: str) -> None:
+    # Both modes are within 1e-5 of the float64 sum; only the deterministic one must also be bitwise
+    # equal across two repetitions whose ranks arrive in reversed orders (the locked one may differ).
+    results = run_ranks(_run_arrival_orders, 3, mode, 5, timeout_s=180)
+    if mode == "deterministic":
+        for rank, (first, second) in enumerate(results):
+            assert first == second, f"owner {rank}: the sums differ between arrival orders"
+
+
+def test_unknown_accumulate_mode_is_refused() -> None:
+    # Refused before any process group or file is needed, naming the choices.
+    for make in (
+        lambda: ShmTransport(accumulate_mode="atomic"),
+        lambda: build_transport("shm", None, accumulate_mode="atomic"),
+    ):
+        with pytest.raises(
+            ValueError, match=r"accumulate_mode 'atomic' is not one of 'locked', 'deterministic'"
+        ):
+            make()
 
 
 def _run_dead_peer(
@@ -334,6 +439,42 @@ def test_dead_peer_is_named_and_nothing_leaks(tmp_path: Path) -> None:
         assert os.listdir(shm_dir) == []
     finally:
         shutil.rmtree(shm_dir, ignore_errors=True)
+
+
+class _DiesInTheReduce(ShmTransport):
+    """Rank 2 dies between the two barriers of its second deterministic fence (the owners reduce)."""
+
+    def _reduce_staging(self) -> None:
+        if self.rank == 2 and self._fence_count == 2:
+            os._exit(3)
+        super()._reduce_staging()
+
+
+def _run_dead_in_reduce(rank: int, world_size: int, timeout_s: float, verdict_dir: str) -> None:
+    del world_size
+    t = _DiesInTheReduce(accumulate_mode="deterministic", timeout_s=timeout_s)
+    t.register("acc", 4096, torch.float32)
+    t.fence()
+    t.accumulate("acc", (rank + 1) % 3, 0, torch.ones(4096))
+    start = time.monotonic()
+    with pytest.raises(TransportError) as info:
+        t.fence()
+    elapsed_s = time.monotonic() - start
+    t.close()
+    Path(verdict_dir, f"rank{rank}").write_text(f"{elapsed_s:.3f} {info.value}")
+
+
+def test_a_peer_dead_in_the_owner_reduce_is_named_by_the_second_barrier(tmp_path: Path) -> None:
+    timeout_s = 10.0
+    with pytest.raises(RankFailureError) as info:
+        run_ranks(_run_dead_in_reduce, 3, timeout_s, str(tmp_path), timeout_s=120)
+    assert "rank 2 died with exit code 3" in str(info.value)
+    assert "raised" not in str(info.value), str(info.value)
+    for rank in (0, 1):
+        elapsed_s, text = Path(tmp_path, f"rank{rank}").read_text().split(" ", 1)
+        assert float(elapsed_s) < timeout_s
+        assert f"rank {rank}: fence 2 (after the owner reduce): rank 2 (pid" in text, text
+        assert "died before reaching the fence" in text, text
 
 
 class _Sabotaged(ShmTransport):
