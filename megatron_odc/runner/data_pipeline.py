@@ -81,9 +81,7 @@ class DataPipeline:
     def __init__(
         self, args: argparse.Namespace, *, dp_rank: int, dp_size: int, device: torch.device
     ) -> None:
-        self.tokenizer = load_tokenizer(
-            "byte" if args.tokenizer_type == "ByteTokenizer" else args.tokenizer_model
-        )
+        self.tokenizer = tokenizer_from_flags(args)
         self.vocab_size = padded_vocab_size(args, self.tokenizer.vocab_size)
         pad_multiple = PAD_MULTIPLE
         if args.sequence_parallel:
@@ -200,6 +198,27 @@ class Minibatch:
     batches: list[Batch]
     plan_wait_s: float
     plan_s: float
+
+
+def tokenizer_from_flags(args: argparse.Namespace) -> Any:
+    """The tokenizer of ``--tokenizer-type`` / ``--tokenizer-model``.
+
+    Raises:
+        ValueError: ``--tokenizer-model`` is not a directory or holds no loadable tokenizer (the
+            message names the flag).
+    """
+    if args.tokenizer_type == "ByteTokenizer":
+        return load_tokenizer("byte")
+    path = args.tokenizer_model
+    if not os.path.isdir(path):
+        raise ValueError(
+            f"--tokenizer-model {path!r} is not a directory: pass a local Hugging Face tokenizer "
+            "directory (nothing is downloaded), or omit it for the byte-level tokenizer"
+        )
+    try:
+        return load_tokenizer(path)
+    except ValueError as exc:
+        raise ValueError(f"--tokenizer-model {path!r}: {exc}") from None
 
 
 def check_truncated_responses(args: argparse.Namespace, dataset: SFTSamples, path: str) -> None:

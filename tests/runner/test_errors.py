@@ -89,7 +89,7 @@ def test_malformed_json_line_is_one_error_naming_file_and_line(tmp_path):
 def test_missing_tokenizer_directory_is_one_error(tmp_path):
     missing = str(tmp_path / "no-such-tokenizer")
     results = _run(tmp_path, ["--tokenizer-model", missing])
-    _assert_one_error(results, missing)
+    _assert_one_error(results, f"--tokenizer-model {missing!r} is not a directory")
 
 
 def test_garbage_load_directory_is_one_error_naming_it(tmp_path):
