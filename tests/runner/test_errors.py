@@ -249,3 +249,26 @@ def test_tracker_of_garbage_names_the_directory(tmp_path):
     assert str(tmp_path) in str(info.value)
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("12\n")
     assert latest_iteration(tmp_path) == 12
+
+
+def test_samples_without_loss_agrees_on_jsonl_and_preprocessed_data(tmp_path):
+    from megatron_odc.data import ByteTokenizer, IndexedSFTDataset, SFTDataset, samples_without_loss
+    from megatron_odc.data.preprocess import preprocess
+
+    long_prompt = "please read this long question carefully " * 3  # 126 bytes of prompt
+    records = [
+        {"prompt": "short", "response": "fine"},
+        {"prompt": long_prompt, "response": "yes"},
+        {"prompt": long_prompt[:40], "response": "a response that straddles the cut " * 3},
+        {"prompt": long_prompt, "response": "no"},
+    ]
+    data = _write_jsonl(tmp_path / "mixed.jsonl", records)
+    preprocess(data, str(tmp_path / "mixed"), workers=0, progress=False)
+    tokenizer = ByteTokenizer()
+    # Sample 2's response starts after ~50 tokens: kept at 64, cut away at 32.
+    for cap, max_length, lost in ((64, 64, [1, 3]), (32, 64, [1, 2, 3]), (64, None, [1, 3])):
+        jsonl = SFTDataset(data, tokenizer, max_length=max_length)
+        indexed = IndexedSFTDataset(str(tmp_path / "mixed"), tokenizer, max_length=max_length)
+        assert samples_without_loss(jsonl, cap) == lost, (cap, max_length)
+        assert samples_without_loss(indexed, cap) == lost, (cap, max_length)
+    assert samples_without_loss(SFTDataset(data, tokenizer), 1000) == []
