@@ -189,6 +189,32 @@ def test_nan_loss_stops_every_rank_naming_iteration_and_rank(tmp_path):
     assert not re.search(r"iteration +3/", results[0][1]), results[0][1]
 
 
+def _no_loss_token_at_iteration_2(rank: int) -> None:
+    """Iteration 2's minibatch carries no loss token on any rank (every response cut away)."""
+    import torch
+
+    from megatron_odc.runner import trainer
+
+    real = trainer.train_step
+    calls = []
+
+    def emptied(*args, **kwargs):
+        report = real(*args, **kwargs)
+        calls.append(None)
+        if len(calls) == 2:
+            for r in report["losses"]:
+                r["lm loss"] = r["lm loss"] * torch.zeros(2)
+        return report
+
+    trainer.train_step = emptied
+
+
+def test_minibatch_without_loss_tokens_stops_the_run(tmp_path):
+    results = _run(tmp_path, [], patch="_no_loss_token_at_iteration_2")
+    _assert_one_error(results, "iteration 2", "no loss token on any rank", "--seq-length")
+    assert not re.search(r"iteration +2/", results[0][1]), results[0][1]
+
+
 def test_nan_check_off_trains_through(tmp_path):
     results = _run(
         tmp_path,
