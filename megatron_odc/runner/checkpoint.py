@@ -54,15 +54,19 @@ def latest_iteration(load_dir: str | os.PathLike) -> int | None:
     if not tracker.is_file():
         return None
     raw = tracker.read_bytes()
-    text = raw.decode("utf-8", errors="replace").strip()
-    if not text.isascii() or not text.isdigit():
-        shown = text if len(text) <= 40 else text[:40] + "..."
-        raise ValueError(
-            f"{load_dir} is not a checkpoint directory written by megatron_odc or Megatron-LM: its "
-            f"{TRACKER_FILENAME} holds {shown!r} ({len(raw)} bytes), not an iteration number; "
-            "point --load at the --save directory of a run"
-        )
-    return int(text)
+    try:
+        text = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        held = f"{len(raw)} bytes that are not UTF-8 text"
+    else:
+        if text.isascii() and text.isdigit():
+            return int(text)
+        held = repr(text if len(text) <= 40 else text[:40] + "...")
+    raise ValueError(
+        f"{load_dir} is not a checkpoint directory written by megatron_odc or Megatron-LM: its "
+        f"{TRACKER_FILENAME} holds {held}, not an iteration number; point --load at the --save "
+        "directory of a run"
+    )
 
 
 def _rank() -> int:
