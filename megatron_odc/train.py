@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from megatron_odc.integration.cpu import cpu_runtime
 from megatron_odc.runner.arguments import build_parser, validate_args
+from megatron_odc.runner.errors import REPORT_ATTRIBUTE
 from megatron_odc.runner.trainer import TrainResult, train
 
 logger = logging.getLogger("megatron_odc.train")
@@ -33,7 +34,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Returns:
         The exit status: 0 after training, 2 when a flag is invalid (the message, naming the flag,
-        goes to stderr before anything is trained).
+        goes to stderr before anything is trained) or when a user error (a ``ValueError``: bad data,
+        tokenizer, checkpoint, a non-finite loss) stops the run: one line on stderr, printed by rank 0,
+        or by the only rank that found it, naming it (``runner/errors.py``).
     """
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -45,7 +48,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         sys.stderr.write(f"{parser.prog}: error: {exc}\n")
         return 2
-    result = run(args)
+    try:
+        result = run(args)
+    except ValueError as exc:  # a user error (bad data, tokenizer, checkpoint): no traceback
+        report = getattr(exc, REPORT_ATTRIBUTE, str(exc))
+        if report is not None:
+            sys.stderr.write(f"{parser.prog}: error: {report}\n")
+        return 2
     first = result.losses[min(result.losses)] if result.losses else None
     final = result.final_loss
     logger.info(  # rank 0 only: other ranks log warnings only

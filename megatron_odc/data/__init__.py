@@ -19,6 +19,7 @@ from megatron_odc.data.packing import (
     load_microbatch,
     loss_weights,
     pack_microbatch,
+    samples_without_loss,
 )
 from megatron_odc.data.sampler import LengthBalancedSampler, MinibatchAssignment
 from megatron_odc.data.sft import (
@@ -51,5 +52,6 @@ __all__ = [
     "make_synthetic_sft",
     "pack_microbatch",
     "read_jsonl",
+    "samples_without_loss",
     "tokenize_conversation",
 ]

@@ -25,6 +25,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from megatron_odc.data.sft import SFTSample, SFTSamples
@@ -196,3 +197,28 @@ def global_loss_token_count(assignment: MinibatchAssignment, dataset: SFTSamples
     """
     planned = assignment.plan.lengths
     return sum(dataset.loss_token_count(i, planned.get(i)) for i in assignment.global_sample_ids)
+
+
+def samples_without_loss(dataset: SFTSamples, cap_tokens: int) -> list[int]:
+    """The samples that carry no loss token once cut to their first ``cap_tokens`` tokens.
+
+    A sample keeps its loss when at least one response token (or end-of-turn token) falls inside its
+    first ``cap_tokens`` tokens. Only samples that reach the cap or already have no loss token are
+    looked at (the others keep their cached count), so a memory-mapped dataset is read only in the
+    first ``cap_tokens`` tokens of its longest samples' loss masks.
+
+    Args:
+        dataset: the dataset the sampler indexes (its ``lengths`` already cut to its ``max_length``).
+        cap_tokens: the sampler's cut (``--max-tokens-per-microbatch``, at most ``--seq-length``).
+
+    Returns:
+        Their indices, ascending.
+    """
+    lengths = np.asarray(dataset.lengths)
+    counts = np.asarray(dataset.num_loss_tokens)
+    candidates = np.flatnonzero((lengths >= cap_tokens) | (counts == 0))
+    return [
+        int(i)
+        for i in candidates
+        if dataset.loss_token_count(int(i), min(int(lengths[i]), cap_tokens)) == 0
+    ]

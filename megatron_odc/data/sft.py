@@ -272,6 +272,7 @@ class SFTSamples(Protocol):
     :class:`~megatron_odc.data.indexed_sft.IndexedSFTDataset` (preprocessed, memory-mapped)."""
 
     lengths: Sequence[int]
+    num_loss_tokens: Sequence[int]
 
     def __len__(self) -> int: ...
 

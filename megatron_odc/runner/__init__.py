@@ -5,7 +5,8 @@
 - ``data_pipeline``: each rank's packed microbatches of every minibatch;
 - ``trainer``: ``train`` and the ``Trainer`` whose loop hands work to its components;
 - ``checkpoint``: iteration directories, the tracker, atomic saves, RNG / sampler / scheduler state;
-- ``log``: Megatron-style log lines with ODC's figures.
+- ``log``: Megatron-style log lines with ODC's figures;
+- ``errors``: which rank prints a user error found once the process group is up (one line per job).
 
 Imports ``mcore/``, ``core/``, ``transport/``, ``data/`` and ``balance/``; never ``megatron`` itself.
 """

@@ -199,6 +199,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="sum token losses and divide by the global token count (required; on by default)",
     )
+    train.add_argument(
+        "--check-for-nan-in-loss-and-grad",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="stop the run at the first iteration whose global lm loss or grad norm is NaN/inf or "
+        "whose minibatch has no loss token (on by default)",
+    )
     train.add_argument("--seed", type=int, default=1234, help="random seed")
 
     data = parser.add_argument_group("data (Megatron-LM flags)")
@@ -510,3 +517,9 @@ def _check_checkpointing(args: argparse.Namespace) -> None:
         raise ValueError("--save-interval needs --save DIR")
     if args.finetune and args.load is None:
         raise ValueError("--finetune needs --load DIR")
+    for flag, path in (("--save", args.save), ("--load", args.load)):
+        if path is not None and os.path.exists(path) and not os.path.isdir(path):
+            raise ValueError(
+                f"{flag} {path!r} is an existing file, not a checkpoint directory; pass a "
+                "directory (a new one for --save)"
+            )

@@ -47,16 +47,26 @@ def latest_iteration(load_dir: str | os.PathLike) -> int | None:
     """The iteration named by the tracker file of ``load_dir``, or None when there is none.
 
     Raises:
-        ValueError: the tracker file exists but does not hold an integer.
+        ValueError: the tracker file exists but does not hold an iteration number (the message names
+            the directory and the file).
     """
     tracker = Path(load_dir) / TRACKER_FILENAME
     if not tracker.is_file():
         return None
-    text = tracker.read_text().strip()
+    raw = tracker.read_bytes()
     try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"checkpoint tracker {tracker} holds {text!r}, not an iteration") from None
+        text = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        held = f"{len(raw)} bytes that are not UTF-8 text"
+    else:
+        if text.isascii() and text.isdigit():
+            return int(text)
+        held = repr(text if len(text) <= 40 else text[:40] + "...")
+    raise ValueError(
+        f"{load_dir} is not a checkpoint directory written by megatron_odc or Megatron-LM: its "
+        f"{TRACKER_FILENAME} holds {held}, not an iteration number; point --load at the --save "
+        "directory of a run"
+    )
 
 
 def _rank() -> int:
@@ -109,8 +119,9 @@ def save_checkpoint(
         model: the DP-wrapped model chunk (``ODCDataParallel`` or megatron-core
             ``DistributedDataParallel``).
         optimizer: ``ODCOptimizer`` or a megatron-core optimizer; None saves weights only.
-        extra_state: picklable per-rank state (sampler, RNG, scheduler), returned by load on the same
-            rank.
+        extra_state: per-rank state (sampler, RNG, scheduler) of tensors and plain Python values
+            (dicts, lists, tuples, numbers, strings, None): it is loaded with ``weights_only=True``,
+            which unpickles nothing else; returned by load on the same rank.
     """
     _check_writer_dependencies()
     save_dir = Path(save_dir)
@@ -210,7 +221,15 @@ def load_checkpoint(
 
 def _load_extra_state(checkpoint_dir: Path) -> dict:
     saved_world = checkpoint_dir / "odc_world_size.txt"
-    world_size = int(saved_world.read_text().strip()) if saved_world.is_file() else None
+    world_size = None
+    if saved_world.is_file():
+        text = saved_world.read_bytes().decode("utf-8", errors="replace").strip()
+        if not text.isascii() or not text.isdigit():
+            raise ValueError(
+                f"--load: {saved_world} holds {text[:40]!r}, not a world size; the checkpoint "
+                "directory is damaged"
+            )
+        world_size = int(text)
     rank = _rank()
     same_world = world_size == _world_size()
     path = checkpoint_dir / f"extra_state_rank{rank if same_world else 0}.pt"
@@ -223,7 +242,27 @@ def _load_extra_state(checkpoint_dir: Path) -> dict:
             world_size,
             _world_size(),
         )
-    return torch.load(path, weights_only=False)
+    return load_extra_state_file(path)
+
+
+def load_extra_state_file(path: Path) -> dict:
+    """One rank's extra state, unpickling only tensors and plain Python values (``weights_only``).
+
+    Raises:
+        ValueError: the file is not a torch file of such values (damaged, or not written by
+            :func:`save_checkpoint`); the message names it.
+    """
+    try:
+        extra = torch.load(path, weights_only=True)
+    except Exception as exc:  # UnpicklingError (garbage, or an object weights_only refuses), ...
+        raise ValueError(
+            f"--load: cannot read the training state {path} ({type(exc).__name__}: it holds "
+            "something other than tensors and plain Python values); the checkpoint is damaged or "
+            "was not written by megatron_odc"
+        ) from None
+    if not isinstance(extra, dict):
+        raise ValueError(f"--load: {path} holds a {type(extra).__name__}, not a training state")
+    return extra
 
 
 # ---------------------------------------------------------------------------------------- training state

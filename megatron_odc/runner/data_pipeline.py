@@ -40,6 +40,7 @@ from megatron_odc.data import (
     load_tokenizer,
     make_synthetic_sft,
     pack_microbatch,
+    samples_without_loss,
 )
 from megatron_odc.data.indexed_sft import IndexedSFTDataset, is_indexed_sft
 from megatron_odc.mcore.datasets import gpt_pretraining_dataset
@@ -80,9 +81,7 @@ class DataPipeline:
     def __init__(
         self, args: argparse.Namespace, *, dp_rank: int, dp_size: int, device: torch.device
     ) -> None:
-        self.tokenizer = load_tokenizer(
-            "byte" if args.tokenizer_type == "ByteTokenizer" else args.tokenizer_model
-        )
+        self.tokenizer = tokenizer_from_flags(args)
         self.vocab_size = padded_vocab_size(args, self.tokenizer.vocab_size)
         pad_multiple = PAD_MULTIPLE
         if args.sequence_parallel:
@@ -101,6 +100,7 @@ class DataPipeline:
                     skip_bad_lines=args.skip_bad_lines,
                 )
             self.lengths: Sequence[int] = dataset.lengths
+            check_truncated_responses(args, dataset, self.data_path)
             self._prepare_batches = functools.partial(
                 pack_assignment,
                 dataset=dataset,
@@ -198,6 +198,69 @@ class Minibatch:
     batches: list[Batch]
     plan_wait_s: float
     plan_s: float
+
+
+def tokenizer_from_flags(args: argparse.Namespace) -> Any:
+    """The tokenizer of ``--tokenizer-type`` / ``--tokenizer-model``.
+
+    Raises:
+        ValueError: ``--tokenizer-model`` is not a directory or holds no loadable tokenizer (the
+            message names the flag).
+    """
+    if args.tokenizer_type == "ByteTokenizer":
+        return load_tokenizer("byte")
+    path = args.tokenizer_model
+    if not os.path.isdir(path):
+        raise ValueError(
+            f"--tokenizer-model {path!r} is not a directory: pass a local Hugging Face tokenizer "
+            "directory (nothing is downloaded), or omit it for the byte-level tokenizer"
+        )
+    try:
+        return load_tokenizer(path)
+    except ValueError as exc:
+        raise ValueError(f"--tokenizer-model {path!r}: {exc}") from None
+
+
+def check_truncated_responses(args: argparse.Namespace, dataset: SFTSamples, path: str) -> None:
+    """Refuses SFT data whose every sample loses all its response tokens to truncation; warns (rank 0)
+    when some do.
+
+    Every rank computes the same answer from the dataset's cached lengths and loss-token counts (only
+    samples cut to the cap are re-read, in their first tokens), so every rank raises the same error.
+
+    Raises:
+        ValueError: every sample carries no loss token once cut to ``--max-tokens-per-microbatch``
+            (``--seq-length`` unless set lower); the message names the file and what to change.
+    """
+    cap = args.max_tokens_per_microbatch
+    lost = samples_without_loss(dataset, cap)
+    if not lost:
+        return
+    cut = f"--seq-length {args.seq_length}"
+    change = "raise --seq-length"
+    if cap < args.seq_length:
+        cut = f"--max-tokens-per-microbatch {cap} (--seq-length {args.seq_length})"
+        change = "raise --max-tokens-per-microbatch (and --seq-length if needed)"
+    line_numbers = getattr(dataset, "line_numbers", None)
+    first = f"line {line_numbers[lost[0]]}" if line_numbers else f"sample {lost[0]}"
+    if len(lost) == len(dataset):
+        raise ValueError(
+            f"--data-path {path}: all {len(lost)} samples lose every response token to truncation "
+            f"at {cut}: each keeps only its first {cap} tokens, all of them prompt (the first: "
+            f"{first}), so no iteration would have a loss; {change} or shorten the prompts"
+        )
+    if dist.get_rank() == 0:
+        logger.warning(
+            "--data-path %s: %d of %d samples lose every response token to truncation at %s "
+            "(the first: %s); they are trained on with no loss. %s or shorten their prompts to "
+            "learn from them",
+            path,
+            len(lost),
+            len(dataset),
+            cut,
+            first,
+            change[0].upper() + change[1:],
+        )
 
 
 def padded_vocab_size(args: argparse.Namespace, tokenizer_vocab_size: int) -> int:

@@ -26,6 +26,7 @@ import argparse
 import dataclasses
 import datetime
 import logging
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -40,7 +41,7 @@ from megatron_odc.mcore.config import LOCKSTEP_BACKENDS, ODC_ENGINE_BACKENDS, OD
 from megatron_odc.mcore.model import FP8Settings, GPTConfig, build_gpt_model, with_mixed_precision
 from megatron_odc.mcore.parallel import DataParallelCoordinates, model_parallel
 from megatron_odc.mcore.step import gpt_forward_step, train_step
-from megatron_odc.runner import checkpoint
+from megatron_odc.runner import checkpoint, errors
 from megatron_odc.runner.data_pipeline import DataPipeline
 from megatron_odc.runner.health import HealthMonitor, default_store
 from megatron_odc.runner.log import LogInterval, setup_logging
@@ -114,10 +115,11 @@ def train(args: argparse.Namespace) -> TrainResult:
                     trainer.close()
             finished = True
             return result
-        except ValueError:
-            raise  # a user error: the same on every rank, not a peer's failure
         except Exception as error:
-            failure = health.failure(error)
+            errors.settle(error)  # which rank prints a user error (see errors.py)
+            if isinstance(error, ValueError):
+                raise
+            failure = health.failure(error)  # a peer that died or stopped, named
             if failure is error:
                 raise
             raise failure from error
@@ -246,6 +248,8 @@ class Trainer:
             pair = torch.zeros(2, dtype=torch.float64)
         num_tokens = sum(assignment.plan.lengths.values())
         grad_norm = report["grad_norm"]
+        if args.check_for_nan_in_loss_and_grad:
+            self._check_finite(iteration, pair, grad_norm)
         interval.add(
             iteration=iteration,
             elapsed_s=time.perf_counter() - start,
@@ -259,6 +263,51 @@ class Trainer:
         )
         result.num_tokens += num_tokens
         result.plan_wait_s[iteration] = minibatch.plan_wait_s
+
+    def _check_finite(self, iteration: int, pair: torch.Tensor, grad_norm: Any) -> None:
+        """``--check-for-nan-in-loss-and-grad``: stops every rank when the iteration's global lm loss or
+        grad norm is not finite, or its minibatch has no loss token (collective over DP: every rank
+        raises the same error).
+
+        Raises:
+            ValueError: naming the iteration and, when a rank's local loss is the culprit, the rank.
+        """
+        dp_ranks = dist.get_process_group_ranks(self.dp_group)
+        slots = torch.zeros(2 * len(dp_ranks), dtype=torch.float64, device=self.device)
+        mine = dp_ranks.index(dist.get_rank())
+        slots[2 * mine : 2 * mine + 2] = pair.to(self.device)
+        dist.all_reduce(slots, group=self.dp_group)
+        per_rank = slots.view(-1, 2).cpu()
+        loss_sum, num_tokens = per_rank.sum(dim=0).tolist()
+        stop = "the run stopped (--check-for-nan-in-loss-and-grad)"
+        bad = [
+            r for r, (s, _) in zip(dp_ranks, per_rank.tolist(), strict=True) if not math.isfinite(s)
+        ]
+        if bad:
+            which = ", ".join(
+                f"rank {r} ({per_rank[i, 0].item()} over {per_rank[i, 1].item():.0f} loss tokens)"
+                for i, r in enumerate(dp_ranks)
+                if r in bad
+            )
+            raise ValueError(
+                f"iteration {iteration}: the lm loss is not finite: the local loss sum of {which}; "
+                f"{stop}. Lower --lr, check the data, or pass --no-check-for-nan-in-loss-and-grad "
+                "to train on regardless"
+            )
+        if num_tokens == 0:
+            raise ValueError(
+                f"iteration {iteration}: its minibatch of {self.args.global_batch_size} samples has "
+                f"no loss token on any rank (their responses lie beyond --seq-length "
+                f"{self.args.seq_length} or are empty), so the lm loss is undefined; {stop}. Raise "
+                "--seq-length or shorten the prompts, or pass --no-check-for-nan-in-loss-and-grad"
+            )
+        norm = None if grad_norm is None else float(grad_norm)
+        if norm is not None and not math.isfinite(norm):
+            raise ValueError(
+                f"iteration {iteration}: the grad norm is {norm} (lm loss {loss_sum / num_tokens:.6E}); "
+                f"{stop}. Lower --lr, or pass --no-check-for-nan-in-loss-and-grad to train on "
+                "regardless"
+            )
 
     def _log(self, interval: LogInterval, result: TrainResult, eta_s: float) -> None:
         """Reduce the interval over DP (collective), record it and log its line on rank 0."""

@@ -9,7 +9,7 @@
 - ``save``: ``runner.checkpoint.save_checkpoint`` (the peers are then inside the save's collectives).
 
 ``python -m tests.runner._faults [training flags]`` is the training entry with the fault that
-``MEGATRON_ODC_TEST_FAULT=<rank>:<point>:<signal>:<nth>`` names (for torchrun).
+``MEGATRON_ODC_TEST_FAULT=<rank>:<point>:<signal>:<nth>`` names (for torchrun; empty: no fault).
 """
 
 from __future__ import annotations
@@ -60,9 +60,11 @@ def inject(point: str, signal_name: str, nth: int) -> None:
 
 
 def main() -> int:
-    rank, point, signal_name, nth = os.environ["MEGATRON_ODC_TEST_FAULT"].split(":")
-    if int(os.environ["RANK"]) == int(rank):
-        inject(point, signal_name, int(nth))
+    fault = os.environ.get("MEGATRON_ODC_TEST_FAULT", "")
+    if fault:  # empty: the plain entry
+        rank, point, signal_name, nth = fault.split(":")
+        if int(os.environ["RANK"]) == int(rank):
+            inject(point, signal_name, int(nth))
     from megatron_odc.train import main as train_main
 
     return train_main(sys.argv[1:])
