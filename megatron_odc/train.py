@@ -18,6 +18,7 @@ import torch.distributed as dist
 from megatron_odc.integration.cpu import cpu_runtime
 from megatron_odc.runner.arguments import build_parser, validate_args
 from megatron_odc.runner.errors import REPORT_ATTRIBUTE
+from megatron_odc.runner.health import EXIT_PEER_FAILURE, PeerFailureError
 from megatron_odc.runner.trainer import TrainResult, train
 
 logger = logging.getLogger("megatron_odc.train")
@@ -36,7 +37,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         The exit status: 0 after training, 2 when a flag is invalid (the message, naming the flag,
         goes to stderr before anything is trained) or when a user error (a ``ValueError``: bad data,
         tokenizer, checkpoint, a non-finite loss) stops the run: one line on stderr, printed by rank 0,
-        or by the only rank that found it, naming it (``runner/errors.py``).
+        or by the only rank that found it, naming it (``runner/errors.py``); 3 when another rank died
+        or stopped (one line naming it, ``runner/health.py``).
     """
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -55,6 +57,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if report is not None:
             sys.stderr.write(f"{parser.prog}: error: {report}\n")
         return 2
+    except (
+        PeerFailureError
+    ) as exc:  # another rank died or stopped: this rank names it, no traceback
+        sys.stderr.write(f"{parser.prog}: error: {exc}\n")
+        return EXIT_PEER_FAILURE
     first = result.losses[min(result.losses)] if result.losses else None
     final = result.final_loss
     logger.info(  # rank 0 only: other ranks log warnings only

@@ -65,8 +65,16 @@ class ODCConfig:
     cuda_accumulate: str = _option(
         "atomic",
         "cuda transport: atomic (Triton peer atomics) or deterministic (staging slots reduced in a "
-        "fixed order at the fence: bitwise reproducible, one extra shard per source)",
+        "fixed order at the fence: bitwise reproducible, one extra shard per source; also chosen by "
+        "--odc-deterministic)",
         ACCUMULATE_MODES,
+    )
+    deterministic: bool = _option(
+        False,
+        "fixed-order gradient sums, so that two identical runs are bitwise equal: each source adds "
+        "into its own staging slot at the owner, which the owner reduces in source order at the fence "
+        "(shm and cuda; memory: one fp32 gradient shard per source at each owner; the collective "
+        "transport is deterministic already)",
     )
     pushes_in_flight: int = _option(
         1, "unsharded gradient buffers whose push may still run while compute goes on"

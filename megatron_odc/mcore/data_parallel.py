@@ -116,8 +116,12 @@ class ODCDataParallel(DistributedDataParallel):
             odc_config.transport, first.device if first is not None else torch.device("cpu")
         )
         options = {"timeout_s": odc_config.timeout_s}
-        if self.transport_name == "cuda":
-            options["accumulate_mode"] = odc_config.cuda_accumulate
+        if self.transport_name == "shm":
+            options["accumulate_mode"] = "deterministic" if odc_config.deterministic else "locked"
+        elif self.transport_name == "cuda":
+            options["accumulate_mode"] = (
+                "deterministic" if odc_config.deterministic else odc_config.cuda_accumulate
+            )
         transport = build_transport(self.transport_name, self.dp_group, **options)
         try:
             self.engine = ODCEngine(

@@ -75,9 +75,13 @@ def add_odc_arguments(
     for field in dataclasses.fields(ODCConfig):
         help_text = f"{field.metadata['help']} (default {field.default})"
         dest = f"odc_{field.name}"
-        if field.default is True:
+        if isinstance(field.default, bool):  # a switch: --odc-<field>, or --no-odc-<field> if on
             group.add_argument(
-                odc_flag(field), action="store_false", dest=dest, default=None, help=help_text
+                odc_flag(field),
+                action="store_false" if field.default else "store_true",
+                dest=dest,
+                default=None,
+                help=help_text,
             )
         else:
             group.add_argument(
