@@ -197,7 +197,8 @@ class Trainer:
         iteration = start
         while iteration < args.train_iters:
             iteration += 1
-            self._iteration(iteration, interval, result)
+            with self.health.phase("iteration", iteration):  # the phases below nest in it
+                self._iteration(iteration, interval, result)
             if iteration % args.log_interval == 0 or iteration == args.train_iters:
                 elapsed = time.perf_counter() - loop_start
                 eta_s = elapsed / (iteration - start) * (args.train_iters - iteration)
