@@ -24,6 +24,77 @@ def on_cpu(model: torch.nn.Module) -> bool:
     return first is not None and first.device.type == "cpu"
 
 
+def init_unfused_distopt_state(optimizer: Any) -> None:
+    """Give a fresh megatron ``DistributedOptimizer`` over torch's own Adam a zero state (step 0).
+
+    Without TransformerEngine or Apex (the CPU path: megatron-core falls back to ``torch.optim.Adam``),
+    ``DistributedOptimizer.state_dict`` reads the step from every parameter's state and asserts that
+    there is exactly one value (``assert len(steps) == 1``, ``distrib_optimizer.py``); its
+    ``sharded_state_dict(is_loading=True)`` calls it first, so loading a checkpoint into an optimizer
+    that has not stepped yet fails. With TE's / Apex's fused Adam the step lives in the param groups and
+    an empty state passes (``len(steps) <= 1``). This creates the state torch's Adam would have before
+    its first step (zero moments, ``step`` 0); the load then overwrites every value. Other optimizers,
+    ones that already hold state and the fused path are left alone. Call it before
+    ``sharded_state_dict(..., is_loading=True)`` (``dist_ckpt/state.py``).
+    """
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(opt, distrib_optimizer.DistributedOptimizer) or not isinstance(
+            inner, (torch.optim.Adam, torch.optim.AdamW)
+        ):
+            continue
+        if len(inner.state) > 0:
+            continue
+        for group in inner.param_groups:
+            for param in group["params"]:
+                inner.state[param] = {
+                    "step": torch.tensor(0.0, dtype=torch.float32),
+                    "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+                }
+
+
+def load_megatron_optimizer_state(optimizer: Any, state_dict: dict[str, Any]) -> None:
+    """``optimizer.load_state_dict(state_dict)``, with distopt's fully-reshardable load made to work
+    over torch's own Adam (the CPU path).
+
+    Without TE / Apex, ``DistributedOptimizer.load_state_dict`` first gives every parameter's state a
+    ``step`` (one tensor object shared by all of them), then
+    ``load_parameter_state_from_fully_reshardable`` copies the loaded tensors over every key of that
+    state, ``step`` included, while the loaded tensors never hold one: ``KeyError: 'step'``
+    (``_set_main_param_and_optimizer_states``). Here the groups, step and grad scaler are loaded first
+    without ``param_state``, the steps are set aside while megatron-core's own
+    ``load_parameter_state_from_fully_reshardable`` reads the tensors, and each parameter gets its own
+    copy of the step back (torch's single-tensor Adam adds 1 to ``step`` in place per parameter, so a
+    shared tensor would count every parameter's update). Any other optimizer or format goes straight
+    to ``load_state_dict``.
+    """
+    from megatron.core.optimizer import distrib_optimizer
+
+    chained = getattr(optimizer, "chained_optimizers", None)
+    target = chained[0] if chained is not None and len(chained) == 1 else optimizer
+    if (
+        distrib_optimizer.HAVE_APEX_OR_TE
+        or not isinstance(target, distrib_optimizer.DistributedOptimizer)
+        or state_dict.get("param_state_sharding_type") != "fully_reshardable"
+        or "param_state" not in state_dict
+    ):
+        optimizer.load_state_dict(state_dict)
+        return
+    target.load_state_dict({k: v for k, v in state_dict.items() if k != "param_state"})
+    inner_state = target.optimizer.state
+    steps = {param: state.pop("step") for param, state in inner_state.items() if "step" in state}
+    try:
+        target.load_parameter_state_from_fully_reshardable(state_dict["param_state"])
+    finally:
+        for param, step in steps.items():
+            inner_state[param]["step"] = step.clone()
+
+
 def megatron_optimizer_scope(model: torch.nn.Module) -> contextlib.AbstractContextManager:
     """:func:`cuda_type_names` for a model on CPU, else nothing."""
     return cuda_type_names() if on_cpu(model) else contextlib.nullcontext()
