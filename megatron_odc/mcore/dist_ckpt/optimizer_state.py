@@ -233,8 +233,10 @@ def megatron_common_as_distopt(common: dict[str, Any]) -> tuple[dict[str, Any], 
     """
     if "param_state_sharding_type" in common:
         return common, "param"
-    if "fp32_from_fp16_params" in common and isinstance(common.get("optimizer"), dict):
-        inner, main_key = common["optimizer"], "fp32_param"
+    nested = common.get("optimizer")
+    if isinstance(nested, dict) and "param_groups" in nested and "state" in nested:
+        # Float16OptimizerWithFloat16Params (its fp32_from_fp16_params are all sharded tensors)
+        inner, main_key = nested, "fp32_param"
     elif "param_groups" in common and "state" in common:
         inner, main_key = common, None
     else:

@@ -116,6 +116,7 @@ def load(
     _check_fits(state["model"], checkpoint_dir, "model")
 
     common = dist_checkpointing.load_common_state_dict(str(checkpoint_dir))
+    from_distopt_format = False  # a stock DDP optimizer reading ODC's / distopt's state
     if load_optimizer:
         if "optimizer" not in common:
             raise ValueError(
