@@ -5,6 +5,11 @@ check ``param.type() == 'torch.cuda.FloatTensor'`` (and Half / BFloat16) at cons
 ``clip_grads.clip_grad_by_total_norm_fp32`` asserts it on every step. The ``ddp`` / ``distopt`` backends
 and their checkpoints call them inside :func:`cuda_type_names` when the parameters are on CPU
 (:func:`megatron_optimizer_scope`); nothing changes for parameters on a GPU.
+
+Without TransformerEngine or Apex megatron-core builds its optimizers over torch's own Adam, and its
+``DistributedOptimizer`` checkpoint load breaks there (issue 19): :func:`init_unfused_distopt_state`
+and :func:`load_megatron_optimizer_state` work around it for ``dist_ckpt/state.py``, calling
+megatron-core's own code (nothing in megatron-core is edited or patched).
 """
 
 from __future__ import annotations

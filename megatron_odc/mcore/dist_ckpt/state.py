@@ -9,7 +9,10 @@
   ``cpu_optimizers.cuda_type_names`` when the model is on CPU).
 
 Model keys are the unwrapped ``GPTModel``'s, so a checkpoint of one backend, DP size or TP size loads
-into another. Where the state lands on disk (iteration directories, the tracker, atomic renames) is
+into another. Optimizer state too: ODC and distopt write DistOpt's fully-reshardable format, stock
+DDP megatron-core's non-distributed one (same moment keys, other common state and main-value keys);
+each side translates the other's on load (``optimizer_state.megatron_common_as_distopt`` /
+``distopt_common_as_megatron``), so a full resume works across all three. Where the state lands on disk (iteration directories, the tracker, atomic renames) is
 the caller's business (``runner/checkpoint.py``; Megatron-LM's own ``save_checkpoint``).
 """
 
