@@ -15,7 +15,8 @@ megatron-core's own code (nothing in megatron-core is edited or patched).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import inspect
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -78,26 +79,72 @@ def load_megatron_optimizer_state(optimizer: Any, state_dict: dict[str, Any]) ->
     shared tensor would count every parameter's update). Any other optimizer or format goes straight
     to ``load_state_dict``.
     """
-    from megatron.core.optimizer import distrib_optimizer
-
     chained = getattr(optimizer, "chained_optimizers", None)
     target = chained[0] if chained is not None and len(chained) == 1 else optimizer
-    if (
-        distrib_optimizer.HAVE_APEX_OR_TE
-        or not isinstance(target, distrib_optimizer.DistributedOptimizer)
-        or state_dict.get("param_state_sharding_type") != "fully_reshardable"
-        or "param_state" not in state_dict
-    ):
+    if _is_unfused_distopt_full_load(target, state_dict):
+        _load_unfused_distopt(target, state_dict, type(target).load_state_dict)
+    else:
         optimizer.load_state_dict(state_dict)
-        return
-    target.load_state_dict({k: v for k, v in state_dict.items() if k != "param_state"})
-    inner_state = target.optimizer.state
+
+
+def _is_unfused_distopt_full_load(optimizer: Any, state_dict: dict[str, Any]) -> bool:
+    from megatron.core.optimizer import distrib_optimizer
+
+    return (
+        not distrib_optimizer.HAVE_APEX_OR_TE
+        and isinstance(optimizer, distrib_optimizer.DistributedOptimizer)
+        and state_dict.get("param_state_sharding_type") == "fully_reshardable"
+        and "param_state" in state_dict
+    )
+
+
+def _load_unfused_distopt(
+    optimizer: Any, state_dict: dict[str, Any], load_state_dict: Callable[[Any, dict], None]
+) -> None:
+    """:func:`load_megatron_optimizer_state` for one ``DistributedOptimizer``; ``load_state_dict`` is
+    megatron-core's ``DistributedOptimizer.load_state_dict`` (unbound)."""
+    load_state_dict(optimizer, {k: v for k, v in state_dict.items() if k != "param_state"})
+    inner_state = optimizer.optimizer.state
     steps = {param: state.pop("step") for param, state in inner_state.items() if "step" in state}
     try:
-        target.load_parameter_state_from_fully_reshardable(state_dict["param_state"])
+        optimizer.load_parameter_state_from_fully_reshardable(state_dict["param_state"])
     finally:
         for param, step in steps.items():
             inner_state[param]["step"] = step.clone()
+
+
+def unfused_distopt_patches() -> list[tuple[Any, str, Any]]:
+    """``(owner, attribute, replacement)`` that apply :func:`init_unfused_distopt_state` and
+    :func:`load_megatron_optimizer_state` inside megatron-core's ``DistributedOptimizer`` methods.
+
+    For Megatron-LM's ``load_checkpoint``, which calls the optimizer's ``sharded_state_dict(...,
+    is_loading=True)`` and ``load_state_dict`` itself (``integration/megatron_lm/patching.py`` applies
+    them on CPU and reverts them). Empty with TE / Apex, where megatron-core's own code works.
+    """
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return []
+    cls = distrib_optimizer.DistributedOptimizer
+    original_sharded_state_dict = cls.sharded_state_dict
+    original_load_state_dict = cls.load_state_dict
+
+    def sharded_state_dict(self, *args, **kwargs):
+        bound = inspect.signature(original_sharded_state_dict).bind(self, *args, **kwargs)
+        if bound.arguments.get("is_loading", False):
+            init_unfused_distopt_state(self)
+        return original_sharded_state_dict(self, *args, **kwargs)
+
+    def load_state_dict(self, state_dict):
+        if _is_unfused_distopt_full_load(self, state_dict):
+            _load_unfused_distopt(self, state_dict, original_load_state_dict)
+        else:
+            original_load_state_dict(self, state_dict)
+
+    return [
+        (cls, "sharded_state_dict", sharded_state_dict),
+        (cls, "load_state_dict", load_state_dict),
+    ]
 
 
 def megatron_optimizer_scope(model: torch.nn.Module) -> contextlib.AbstractContextManager:
