@@ -11,16 +11,20 @@ ODC's builders (``mcore/dist_ckpt/model_state.py``): the unwrapped module's ``sh
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from megatron.core.utils import unwrap_model
 
+from megatron_odc.mcore.config import ODC_ENGINE_BACKENDS
 from megatron_odc.mcore.data_parallel import ODCDataParallel
 from megatron_odc.mcore.dist_ckpt.model_state import (
     load_odc_model_state_dict,
     odc_model_sharded_state_dict,
 )
+from megatron_odc.mcore.dist_ckpt.optimizer_state import OPTIMIZER_SHARDING_TYPE
 from megatron_odc.mcore.optimizer import ODCOptimizer
 
 
@@ -70,3 +74,23 @@ def install_megatron_lm_checkpointing(
         raise ValueError(f"expected an ODCDataParallel chunk, got {type(model).__name__}")
     unwrap_model(model).sharded_state_dict = _ODCModuleShardedStateDict(model)
     model.load_state_dict = _ODCLoadStateDict(model, optimizer)
+
+
+def wrap_build_sharded_state_dict_metadata(original: Callable[..., dict]) -> Callable[..., dict]:
+    """Megatron-LM's ``checkpointing._build_sharded_state_dict_metadata``, naming ODC's optimizer format.
+
+    The metadata is saved with a torch_dist checkpoint, and a run that loads it reads the optimizer's
+    ``distrib_optim_sharding_type`` from there. Megatron-LM records it only with
+    ``--use-distributed-optimizer``; an ``odc`` / ``fsdp`` run saves DistOpt's fully-reshardable
+    format (``mcore/dist_ckpt/optimizer_state.py``), so it is recorded as such, and a
+    ``--dp-backend distopt`` run resumes it instead of reading it as its default (``dp_reshardable``).
+    """
+
+    @functools.wraps(original)
+    def build(args: Any, *rest: Any, **kwargs: Any) -> dict:
+        metadata = original(args, *rest, **kwargs)
+        if getattr(args, "dp_backend", None) in ODC_ENGINE_BACKENDS:
+            metadata["distrib_optim_sharding_type"] = OPTIMIZER_SHARDING_TYPE
+        return metadata
+
+    return build

@@ -26,12 +26,15 @@ from megatron_odc.integration.megatron_lm.builders import (
     wrap_get_megatron_optimizer,
     wrap_get_model,
 )
+from megatron_odc.integration.megatron_lm.checkpointing import (
+    wrap_build_sharded_state_dict_metadata,
+)
 from megatron_odc.integration.megatron_lm.cpu_shims import cpu_shims
 from megatron_odc.integration.megatron_lm.data import wrap_build_pretraining_data_loader
 from megatron_odc.integration.megatron_lm.flags import wrap_parse_args, wrap_validate_args
 from megatron_odc.integration.megatron_lm.schedule import wrap_get_forward_backward_func
 from megatron_odc.integration.megatron_lm.version import check_megatron_lm_version
-from megatron_odc.mcore.cpu_optimizers import cuda_type_names
+from megatron_odc.mcore.cpu_optimizers import cuda_type_names, unfused_distopt_patches
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +117,9 @@ def apply_megatron_lm_patches(*, cpu: bool = False) -> MegatronLmPatches:
             handle._scoped.enter_context(cuda_type_names())
             for owner, attr, value in cpu_shims(initialize, training):
                 handle._patch(owner, attr, value)
+            # distopt's checkpoint load over torch's Adam (no TE / Apex), as in the plugin's entry.
+            for owner, attr, value in unfused_distopt_patches():
+                handle._patch(owner, attr, value)
         handle._patch(arguments, "parse_args", wrap_parse_args(arguments.parse_args))
         handle._patch(initialize, "parse_args", wrap_parse_args(initialize.parse_args))
         handle._patch(arguments, "validate_args", wrap_validate_args(arguments.validate_args))
@@ -133,6 +139,14 @@ def apply_megatron_lm_patches(*, cpu: bool = False) -> MegatronLmPatches:
             training,
             "build_pretraining_data_loader",
             wrap_build_pretraining_data_loader(training.build_pretraining_data_loader),
+        )
+        checkpointing = importlib.import_module("megatron.training.checkpointing")
+        handle._patch(
+            checkpointing,
+            "_build_sharded_state_dict_metadata",
+            wrap_build_sharded_state_dict_metadata(
+                checkpointing._build_sharded_state_dict_metadata
+            ),
         )
     except BaseException:
         handle.revert()

@@ -46,6 +46,10 @@ EXPECTED_SIGNATURES: dict[tuple[str, str], tuple[str, ...]] = {
         "dataset",
         "consumed_samples",
     ),
+    ("megatron.training.checkpointing", "_build_sharded_state_dict_metadata"): (
+        "args",
+        "dp_cp_group",
+    ),
     ("megatron.training.training", "DDP"): (
         "self",
         "config",

@@ -47,6 +47,7 @@ def param_state_dict(
     *,
     for_load: bool,
     with_moments: bool,
+    main_key: str | None = "param",
 ) -> tuple[dict[str, Any], list[tuple[str, str, list[tuple[torch.Tensor, int]]]]]:
     """DistOpt ``fully_reshardable``-style state of the ODC optimizer over the owned pieces.
 
@@ -57,6 +58,11 @@ def param_state_dict(
     Parameters whose model entry fell back to full tensors (``ShardedTensorFactory``, e.g. SwiGLU's
     fc1 under TP) get their optimizer state gathered over DP (one all-reduce per state) and saved
     through the module's own entry, like DistOpt does.
+
+    ``main_key`` names the main values in the checkpoint: ``"param"`` (DistOpt), ``"fp32_param"``
+    (megatron-core's ``Float16OptimizerWithFloat16Params``), or None to leave them out (its
+    ``FP32Optimizer``, whose main parameters are the model's weights). The returned entries keep the
+    state key ``"param"`` either way.
 
     Returns:
         ``{module parameter name: {state key: [boxes] or a full-tensor entry}}`` and, for the
@@ -76,6 +82,7 @@ def param_state_dict(
                 "not exact",
                 type(inner).__name__,
             )
+    names_in_ckpt = {"param": main_key}
     param_state: dict[str, dict[str, Any]] = {}
     gathered: dict[str, dict[str, list[tuple[torch.Tensor, int]]]] = {}
     for piece in optimizer.pieces:
@@ -84,7 +91,7 @@ def param_state_dict(
         key = names[piece.owned.name]
         flat_start = piece.owned.param_start
         main = piece.main
-        tensors: dict[str, torch.Tensor] = {"param": main.data}
+        tensors: dict[str, torch.Tensor] = {"param": main.data} if main_key else {}
         if with_moments:
             state = inner.state[main]
             for sk in state_keys:
@@ -106,13 +113,17 @@ def param_state_dict(
         for sk, tensor in tensors.items():
             entry.setdefault(sk, []).extend(
                 box_tensors(
-                    template, f"{_OPT_PREFIX}.{sk}.{template.key}", tensor, flat_start, replica_id
+                    template,
+                    f"{_OPT_PREFIX}.{names_in_ckpt.get(sk, sk)}.{template.key}",
+                    tensor,
+                    flat_start,
+                    replica_id,
                 )
             )
 
     to_write_back = []
     params = dict(unwrap_model(model).named_parameters())
-    state_names = ["param"] + (state_keys if with_moments else [])
+    state_names = (["param"] if main_key else []) + (state_keys if with_moments else [])
     for key in sorted(model_state.fallback_entries):  # the same order on every rank: collectives
         module_entry = model_state.fallback_entries[key]
         shape = params[key].shape
@@ -124,7 +135,7 @@ def param_state_dict(
                     full[flat_start : flat_start + tensor.numel()] = tensor
                 all_reduce_on_group_device(full, group=model.dp_group)
             changes: dict[str, Any] = {
-                "key": f"{_OPT_PREFIX}.{sk}.{module_entry.key}",
+                "key": f"{_OPT_PREFIX}.{names_in_ckpt.get(sk, sk)}.{module_entry.key}",
                 "data": full.view(shape),
             }
             if isinstance(module_entry, ShardedTensor):
@@ -208,6 +219,70 @@ def load_common_state(optimizer: Any, common: dict[str, Any]) -> int:
     if optimizer.grad_scaler is not None and scaler is not None:
         optimizer.grad_scaler.load_state_dict(scaler)
     return step
+
+
+def megatron_common_as_distopt(common: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """A checkpoint's common optimizer state in DistOpt's form, and the name of its main values.
+
+    ODC and distopt checkpoints are returned as they are (mains under ``"param"``). The state of
+    megatron-core's non-distributed optimizers (stock DDP) is translated: ``FP32Optimizer`` keeps
+    ``param_groups`` and ``state.common_step`` at the top and no main values (they are the model's
+    weights: None); ``Float16OptimizerWithFloat16Params`` keeps them under ``optimizer`` and its mains
+    under ``"fp32_param"``. The step goes into every param group, as DistOpt saves it. Anything else is
+    returned unchanged for :func:`check_sharding_type` to refuse.
+    """
+    if "param_state_sharding_type" in common:
+        return common, "param"
+    nested = common.get("optimizer")
+    if isinstance(nested, dict) and "param_groups" in nested and "state" in nested:
+        # Float16OptimizerWithFloat16Params (its fp32_from_fp16_params are all sharded tensors)
+        inner, main_key = nested, "fp32_param"
+    elif "param_groups" in common and "state" in common:
+        inner, main_key = common, None
+    else:
+        return common, "param"
+    step = inner["state"].get("common_step", 0)
+    step = int(step.item() if isinstance(step, torch.Tensor) else step or 0)
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "step": step}
+        for g in inner["param_groups"]
+    ]
+    translated = {
+        "optimizer": {"param_groups": groups},
+        "grad_scaler": common.get("grad_scaler"),
+        "param_state_sharding_type": OPTIMIZER_SHARDING_TYPE,
+    }
+    return translated, main_key
+
+
+def distopt_common_as_megatron(loaded: dict[str, Any], common: dict[str, Any]) -> None:
+    """Make what ``dist_checkpointing.load`` returned for a megatron-core non-distributed optimizer
+    (stock DDP) from an ODC or distopt checkpoint readable by its ``load_state_dict`` (in place).
+
+    That optimizer keeps ``param_groups`` and ``state.common_step`` next to its moments (at the top for
+    ``FP32Optimizer``, under ``optimizer`` for ``Float16OptimizerWithFloat16Params``); the checkpoint's
+    common state (``common``) holds DistOpt's ``optimizer.param_groups`` with the step in each group.
+    Without this the loaded groups hold only their ``params`` and megatron-core fails matching them
+    (``KeyError: 'pre_wd_mult'``, ``_filter_and_reorder_param_groups``) and the step is lost.
+
+    Raises:
+        ValueError: the checkpoint has another number of param groups than the optimizer.
+    """
+    saved_groups = common["optimizer"]["param_groups"]
+    inner = loaded["optimizer"] if "state" in loaded.get("optimizer", {}) else loaded
+    if len(saved_groups) != len(inner["param_groups"]):
+        raise ValueError(
+            f"the checkpoint's optimizer has {len(saved_groups)} param groups, this optimizer "
+            f"{len(inner['param_groups'])}"
+        )
+    step = int(saved_groups[0].get("step", 0) or 0) if saved_groups else 0
+    # megatron-core matches groups by their (wd_mult, lr_mult, ...) key, not by position.
+    inner["param_groups"] = [
+        {**{k: v for k, v in saved.items() if k != "step"}, "params": group["params"]}
+        for saved, group in zip(saved_groups, inner["param_groups"])
+    ]
+    if step > 0:
+        inner["state"]["common_step"] = torch.tensor(float(step), dtype=torch.float32)
 
 
 def check_sharding_type(common: dict[str, Any], where: str) -> None:

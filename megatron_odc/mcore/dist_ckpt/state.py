@@ -9,22 +9,31 @@
   ``cpu_optimizers.cuda_type_names`` when the model is on CPU).
 
 Model keys are the unwrapped ``GPTModel``'s, so a checkpoint of one backend, DP size or TP size loads
-into another. Where the state lands on disk (iteration directories, the tracker, atomic renames) is
+into another. Optimizer state too: ODC and distopt write DistOpt's fully-reshardable format, stock
+DDP megatron-core's non-distributed one (same moment keys, other common state and main-value keys);
+each side translates the other's on load (``optimizer_state.megatron_common_as_distopt`` /
+``distopt_common_as_megatron``), so a full resume works across all three. Where the state lands on disk (iteration directories, the tracker, atomic renames) is
 the caller's business (``runner/checkpoint.py``; Megatron-LM's own ``save_checkpoint``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedTensor
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.utils import unwrap_model
 
-from megatron_odc.mcore.cpu_optimizers import megatron_optimizer_scope
+from megatron_odc.mcore.cpu_optimizers import (
+    init_unfused_distopt_state,
+    load_megatron_optimizer_state,
+    megatron_optimizer_scope,
+)
 from megatron_odc.mcore.data_parallel import ODCDataParallel
 from megatron_odc.mcore.dist_ckpt import optimizer_state, writer_processes
 from megatron_odc.mcore.dist_ckpt.model_state import odc_model_sharded_state_dict, write_back
@@ -39,6 +48,9 @@ def _check_odc_optimizer(optimizer: Any) -> None:
 def _megatron_optimizer_sharded(
     model: torch.nn.Module, optimizer: Any, model_sd: dict, *, is_loading: bool
 ) -> dict:
+    if is_loading:
+        # The CPU path (torch's Adam, no TE / Apex): distopt's state_dict asserts one step value.
+        init_unfused_distopt_state(optimizer)
     with megatron_optimizer_scope(model):
         return optimizer.sharded_state_dict(
             model_sd,
@@ -107,6 +119,7 @@ def load(
     _check_fits(state["model"], checkpoint_dir, "model")
 
     common = dist_checkpointing.load_common_state_dict(str(checkpoint_dir))
+    from_distopt_format = False  # a stock DDP optimizer reading ODC's / distopt's state
     if load_optimizer:
         if "optimizer" not in common:
             raise ValueError(
@@ -114,18 +127,29 @@ def load(
             )
         if is_odc:
             _check_odc_optimizer(optimizer)
-            saved_common = common["optimizer"]
+            saved_common, main_key = optimizer_state.megatron_common_as_distopt(common["optimizer"])
             optimizer_state.check_sharding_type(saved_common, f"checkpoint {checkpoint_dir}")
             groups = saved_common.get("optimizer", {}).get("param_groups", [])
             saved_step = int(groups[0].get("step", 0) or 0) if groups else 0
             param_state, to_write_back = optimizer_state.param_state_dict(
-                optimizer, model, odc_state, for_load=True, with_moments=saved_step > 0
+                optimizer,
+                model,
+                odc_state,
+                for_load=True,
+                with_moments=saved_step > 0,
+                main_key=main_key,
             )
             state["optimizer"] = {"param_state": param_state}
         else:
             state["optimizer"] = _megatron_optimizer_sharded(
                 model, optimizer, state["model"], is_loading=True
             )
+            from_distopt_format = _reads_distopt_format(optimizer, common["optimizer"])
+            if from_distopt_format:
+                # Float16OptimizerWithFloat16Params names its mains fp32_param, DistOpt param.
+                state["optimizer"] = _renamed_keys(
+                    state["optimizer"], "optimizer.state.fp32_param.", "optimizer.state.param."
+                )
         _check_fits(state["optimizer"], checkpoint_dir, "optimizer")
 
     with megatron_optimizer_scope(model):
@@ -138,7 +162,9 @@ def load(
                 state["optimizer"]["param_state"], to_write_back, loaded["optimizer"]["param_state"]
             )
             # Model shards hold the saved compute-dtype values, main shards the fp32 ones.
-            optimizer_state.load_common_state(optimizer, common["optimizer"])
+            optimizer_state.load_common_state(optimizer, saved_common)
+            if main_key is None:  # stock DDP's fp32 mains are its weights, loaded above
+                optimizer.reload_model_params()
         model.engine.transport.fence()
         if optimizer is not None and not load_optimizer:
             optimizer.reload_model_params()
@@ -149,9 +175,32 @@ def load(
         raise ValueError(f"checkpoint {checkpoint_dir}: model keys {missing[:5]} were not loaded")
     with megatron_optimizer_scope(model):
         if load_optimizer:
-            optimizer.load_state_dict(loaded["optimizer"])
+            if from_distopt_format:
+                optimizer_state.distopt_common_as_megatron(loaded["optimizer"], common["optimizer"])
+            load_megatron_optimizer_state(optimizer, loaded["optimizer"])
         elif optimizer is not None:
             optimizer.reload_model_params()
+
+
+def _reads_distopt_format(optimizer: Any, saved_common: dict[str, Any]) -> bool:
+    """Whether a megatron-core non-distributed optimizer (stock DDP's) loads a DistOpt-format
+    (fully-reshardable: ODC's or distopt's) optimizer state."""
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    distributed = any(isinstance(opt, DistributedOptimizer) for opt in chained)
+    return not distributed and "param_state_sharding_type" in saved_common
+
+
+def _renamed_keys(x: Any, old_prefix: str, new_prefix: str) -> Any:
+    """``x`` (a nested sharded state dict) with every sharded entry's key prefix ``old_prefix``
+    replaced by ``new_prefix``."""
+    if isinstance(x, dict):
+        return {k: _renamed_keys(v, old_prefix, new_prefix) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_renamed_keys(v, old_prefix, new_prefix) for v in x]
+    key = getattr(x, "key", None)
+    if isinstance(x, ShardedBase) and isinstance(key, str) and key.startswith(old_prefix):
+        return dataclasses.replace(x, key=new_prefix + key[len(old_prefix) :])
+    return x
 
 
 def _check_fits(sharded: dict[str, Any], checkpoint_dir: Path, what: str) -> None:
