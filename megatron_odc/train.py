@@ -57,9 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if report is not None:
             sys.stderr.write(f"{parser.prog}: error: {report}\n")
         return 2
-    except (
-        PeerFailureError
-    ) as exc:  # another rank died or stopped: this rank names it, no traceback
+    except PeerFailureError as exc:
+        # another rank died or stopped: this rank names it, no traceback
         sys.stderr.write(f"{parser.prog}: error: {exc}\n")
         return EXIT_PEER_FAILURE
     first = result.losses[min(result.losses)] if result.losses else None

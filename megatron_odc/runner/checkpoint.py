@@ -53,20 +53,27 @@ def latest_iteration(load_dir: str | os.PathLike) -> int | None:
     tracker = Path(load_dir) / TRACKER_FILENAME
     if not tracker.is_file():
         return None
-    raw = tracker.read_bytes()
-    try:
-        text = raw.decode("utf-8").strip()
-    except UnicodeDecodeError:
-        held = f"{len(raw)} bytes that are not UTF-8 text"
-    else:
-        if text.isascii() and text.isdigit():
-            return int(text)
-        held = repr(text if len(text) <= 40 else text[:40] + "...")
+    iteration, held = _read_count(tracker)
+    if iteration is not None:
+        return iteration
     raise ValueError(
         f"{load_dir} is not a checkpoint directory written by megatron_odc or Megatron-LM: its "
         f"{TRACKER_FILENAME} holds {held}, not an iteration number; point --load at the --save "
         "directory of a run"
     )
+
+
+def _read_count(path: Path) -> tuple[int | None, str]:
+    """The non-negative integer a small text file holds, or None and what it holds instead (for a
+    message)."""
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return None, f"{len(raw)} bytes that are not UTF-8 text"
+    if text.isascii() and text.isdigit():
+        return int(text), text
+    return None, repr(text if len(text) <= 40 else text[:40] + "...")
 
 
 def _rank() -> int:
@@ -223,13 +230,12 @@ def _load_extra_state(checkpoint_dir: Path) -> dict:
     saved_world = checkpoint_dir / "odc_world_size.txt"
     world_size = None
     if saved_world.is_file():
-        text = saved_world.read_bytes().decode("utf-8", errors="replace").strip()
-        if not text.isascii() or not text.isdigit():
+        world_size, held = _read_count(saved_world)
+        if world_size is None:
             raise ValueError(
-                f"--load: {saved_world} holds {text[:40]!r}, not a world size; the checkpoint "
+                f"--load: {saved_world} holds {held}, not a world size; the checkpoint "
                 "directory is damaged"
             )
-        world_size = int(text)
     rank = _rank()
     same_world = world_size == _world_size()
     path = checkpoint_dir / f"extra_state_rank{rank if same_world else 0}.pt"

@@ -22,6 +22,8 @@ import logging
 
 import torch.distributed as dist
 
+from megatron_odc.runner.health import default_store
+
 logger = logging.getLogger(__name__)
 
 PEER_WAIT_S = 5.0
@@ -68,7 +70,7 @@ def settle(exc: BaseException) -> None:
 
 def _store():
     with contextlib.suppress(Exception):
-        return dist.distributed_c10d._get_default_store()
+        return default_store()
     return None
 
 

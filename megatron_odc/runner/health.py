@@ -81,9 +81,10 @@ class RankRecord:
                 return process
         return "stopped responding" if now - self.time > SILENT_AFTER_S else None
 
-    def describe(self, now: float) -> str:
-        how = self.state(now) or "is alive"
-        if how == "stopped responding":
+    def describe(self, state: str, now: float) -> str:
+        """This rank named with its ``state`` (what :meth:`state` returned) and where it was."""
+        how = state
+        if state == "stopped responding":
             how = f"stopped responding {now - self.time:.0f} s ago"
         return (
             f"rank {self.rank} (pid {self.pid} on {self.host}) {how} "
@@ -205,10 +206,9 @@ class HealthMonitor:
     def diagnose(self) -> str | None:
         """One sentence naming the dead, stopped or silent peers, or None when every peer is alive."""
         now = time.time()
-        gone = [record for record in self.records() if record.state(now) is not None]
-        if not gone:
-            return None
-        return "; ".join(record.describe(now) for record in gone)
+        states = [(record, record.state(now)) for record in self.records()]
+        gone = [record.describe(state, now) for record, state in states if state is not None]
+        return "; ".join(gone) if gone else None
 
     def failure(self, error: BaseException) -> BaseException:
         """``error`` as a :class:`PeerFailureError` naming the gone peers, or ``error`` itself if none.

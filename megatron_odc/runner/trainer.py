@@ -282,14 +282,12 @@ class Trainer:
         loss_sum, num_tokens = per_rank.sum(dim=0).tolist()
         stop = "the run stopped (--check-for-nan-in-loss-and-grad)"
         bad = [
-            r for r, (s, _) in zip(dp_ranks, per_rank.tolist(), strict=True) if not math.isfinite(s)
+            f"rank {r} ({s} over {n:.0f} loss tokens)"
+            for r, (s, n) in zip(dp_ranks, per_rank.tolist(), strict=True)
+            if not math.isfinite(s)
         ]
         if bad:
-            which = ", ".join(
-                f"rank {r} ({per_rank[i, 0].item()} over {per_rank[i, 1].item():.0f} loss tokens)"
-                for i, r in enumerate(dp_ranks)
-                if r in bad
-            )
+            which = ", ".join(bad)
             raise ValueError(
                 f"iteration {iteration}: the lm loss is not finite: the local loss sum of {which}; "
                 f"{stop}. Lower --lr, check the data, or pass --no-check-for-nan-in-loss-and-grad "

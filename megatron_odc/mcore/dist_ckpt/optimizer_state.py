@@ -192,11 +192,17 @@ def _group_key(group: dict[str, Any]) -> tuple:
     )
 
 
+def saved_step(common: dict[str, Any]) -> int:
+    """The step of a DistOpt-form common optimizer state (its first param group's; 0 when none)."""
+    groups = common.get("optimizer", {}).get("param_groups", [])
+    return int(groups[0].get("step", 0) or 0) if groups else 0
+
+
 def load_common_state(optimizer: Any, common: dict[str, Any]) -> int:
     """Restore steps, param-group hyper-parameters and the grad scaler; return the step."""
     inner = optimizer.optimizer
     groups = common.get("optimizer", {}).get("param_groups", [])
-    step = int(groups[0].get("step", 0)) if groups else 0
+    step = saved_step(common)
     saved_by_key = {_group_key(g): g for g in groups}
     current_keys = [_group_key(g) for g in inner.param_groups]
     if len(saved_by_key) == len(groups) and sorted(saved_by_key) == sorted(current_keys):
@@ -275,7 +281,7 @@ def distopt_common_as_megatron(loaded: dict[str, Any], common: dict[str, Any]) -
             f"the checkpoint's optimizer has {len(saved_groups)} param groups, this optimizer "
             f"{len(inner['param_groups'])}"
         )
-    step = int(saved_groups[0].get("step", 0) or 0) if saved_groups else 0
+    step = saved_step(common)
     # megatron-core matches groups by their (wd_mult, lr_mult, ...) key, not by position.
     inner["param_groups"] = [
         {**{k: v for k, v in saved.items() if k != "step"}, "params": group["params"]}

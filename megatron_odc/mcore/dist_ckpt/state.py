@@ -129,14 +129,12 @@ def load(
             _check_odc_optimizer(optimizer)
             saved_common, main_key = optimizer_state.megatron_common_as_distopt(common["optimizer"])
             optimizer_state.check_sharding_type(saved_common, f"checkpoint {checkpoint_dir}")
-            groups = saved_common.get("optimizer", {}).get("param_groups", [])
-            saved_step = int(groups[0].get("step", 0) or 0) if groups else 0
             param_state, to_write_back = optimizer_state.param_state_dict(
                 optimizer,
                 model,
                 odc_state,
                 for_load=True,
-                with_moments=saved_step > 0,
+                with_moments=optimizer_state.saved_step(saved_common) > 0,
                 main_key=main_key,
             )
             state["optimizer"] = {"param_state": param_state}
