@@ -162,8 +162,8 @@ def test_some_truncated_samples_are_a_warning(tmp_path):
     assert "lose every response token" not in results[1][1] + results[1][2]
 
 
-def _nan_loss_on_rank_1_at_iteration_2(rank: int) -> None:
-    """Rank 1's loss of iteration 2 is NaN (as after a blow-up); rank 0's is fine."""
+def _scale_reported_losses_at_iteration_2(rank: int, scale: list[float], ranks: tuple[int, ...]):
+    """Multiply the ``[loss_sum, num_tokens]`` reports of iteration 2 on ``ranks`` by ``scale``."""
     import torch
 
     from megatron_odc.runner import trainer
@@ -171,15 +171,20 @@ def _nan_loss_on_rank_1_at_iteration_2(rank: int) -> None:
     real = trainer.train_step
     calls = []
 
-    def poisoned(*args, **kwargs):
+    def scaled(*args, **kwargs):
         report = real(*args, **kwargs)
         calls.append(None)
-        if rank == 1 and len(calls) == 2:
-            for r in report["losses"]:  # [loss_sum, num_tokens]: the sum only
-                r["lm loss"] = r["lm loss"] * torch.tensor([torch.nan, 1.0])
+        if rank in ranks and len(calls) == 2:
+            for r in report["losses"]:
+                r["lm loss"] = r["lm loss"] * torch.tensor(scale)
         return report
 
-    trainer.train_step = poisoned
+    trainer.train_step = scaled
+
+
+def _nan_loss_on_rank_1_at_iteration_2(rank: int) -> None:
+    """Rank 1's loss of iteration 2 is NaN (as after a blow-up); rank 0's is fine."""
+    _scale_reported_losses_at_iteration_2(rank, [float("nan"), 1.0], ranks=(1,))  # the sum only
 
 
 def test_nan_loss_stops_every_rank_naming_iteration_and_rank(tmp_path):
@@ -191,22 +196,7 @@ def test_nan_loss_stops_every_rank_naming_iteration_and_rank(tmp_path):
 
 def _no_loss_token_at_iteration_2(rank: int) -> None:
     """Iteration 2's minibatch carries no loss token on any rank (every response cut away)."""
-    import torch
-
-    from megatron_odc.runner import trainer
-
-    real = trainer.train_step
-    calls = []
-
-    def emptied(*args, **kwargs):
-        report = real(*args, **kwargs)
-        calls.append(None)
-        if len(calls) == 2:
-            for r in report["losses"]:
-                r["lm loss"] = r["lm loss"] * torch.zeros(2)
-        return report
-
-    trainer.train_step = emptied
+    _scale_reported_losses_at_iteration_2(rank, [0.0, 0.0], ranks=(0, 1))
 
 
 def test_minibatch_without_loss_tokens_stops_the_run(tmp_path):

@@ -26,7 +26,6 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -35,7 +34,7 @@ import pytest
 
 from tests._dist import RankFailureError, run_ranks
 from tests.runner._faults import POINTS
-from tests.runner.test_trainer import SMALL, _clean_env, _free_port
+from tests.runner.test_trainer import SMALL, _clean_env, _torchrun_command, _train_losses
 
 TIMEOUT_MINUTES = 0.25
 TIMEOUT_S = 60 * TIMEOUT_MINUTES
@@ -49,17 +48,13 @@ HOW = {"STOP": "is stopped", "KILL": "died"}
 
 
 def _faulty_rank(rank: int, world_size: int, workdir: str, point: str, signal_name: str) -> None:
-    import os
-
-    from megatron_odc.runner.arguments import build_parser, validate_args
-    from megatron_odc.train import run
     from tests.runner._faults import inject
 
+    del world_size  # _train_losses runs 2 ranks
     os.chdir(workdir)
-    args = validate_args(build_parser().parse_args(ARGV), world_size=world_size)
     if rank == 1:
         inject(point, signal_name, nth=3)  # in iteration 2 (forward: its first microbatch or later)
-    run(args)
+    _train_losses(ARGV)
 
 
 CASES = [
@@ -105,18 +100,7 @@ def _torchrun_with_fault(
     """Run the entry under torchrun with ``fault``; return (status, output) once torchrun has ended,
     after checking that no process of the job and no shared-memory file is left (and killing any that
     are, so that a failure leaks nothing)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(nproc),
-        "--master-port",
-        str(_free_port()),
-        "-m",
-        "tests.runner._faults",
-        *argv,
-    ]
+    cmd = _torchrun_command("tests.runner._faults", argv, nproc)
     job_id = uuid.uuid4().hex
     env = {**_clean_env(shm), "MEGATRON_ODC_TEST_FAULT": fault, "MEGATRON_ODC_TEST_JOB": job_id}
     log = workdir / "torchrun.log"

@@ -142,22 +142,26 @@ ITERATION_LINE = re.compile(
 SUMMARY_LINE = re.compile(r"training finished .*first lm loss: (\S+) \| final lm loss: (\S+)")
 
 
-def _torchrun(argv: list[str], cwd: Path, shm: Path) -> str:
-    """Runs the entry on 2 CPU ranks; returns its stdout (asserting exit status 0)."""
-    cmd = [
+def _torchrun_command(module: str, argv: list[str], nproc: int = 2) -> list[str]:
+    """``python -m torch.distributed.run`` of ``module`` on ``nproc`` CPU ranks, on a free port."""
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--nproc-per-node",
-        "2",
+        str(nproc),
         "--master-port",
         str(_free_port()),
         "-m",
-        "megatron_odc.train",
+        module,
         *argv,
     ]
+
+
+def _torchrun(argv: list[str], cwd: Path, shm: Path) -> str:
+    """Runs the entry on 2 CPU ranks; returns its stdout (asserting exit status 0)."""
     proc = subprocess.run(
-        ["timeout", "150", *cmd],
+        ["timeout", "150", *_torchrun_command("megatron_odc.train", argv)],
         cwd=cwd,
         env=_clean_env(shm),
         capture_output=True,
