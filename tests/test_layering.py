@@ -35,6 +35,10 @@ import any layer, and nothing may import them."""
 
 THIRD_PARTY: dict[str, tuple[str, ...]] = {
     "megatron.training": ("integration",),
+    # Optional metrics sinks of the training entry (--tensorboard-dir, --wandb-project).
+    "torch.utils.tensorboard": ("runner",),
+    "tensorboard": ("runner",),
+    "wandb": ("runner",),
     # A file format (numpy memory maps; no process group, no model): preprocessed SFT data in data/.
     "megatron.core.datasets.indexed_dataset": ("data", "mcore", "integration"),
     "megatron.core": ("mcore", "integration"),

@@ -17,6 +17,7 @@ from megatron_odc.core.fp8 import FP8_FORMATS, FP8_RECIPES, check_fp8_flags
 from megatron_odc.data.indexed_sft import is_indexed_sft, sidecar_path
 from megatron_odc.mcore.config import refuse_unsupported
 from megatron_odc.runner.odc_flags import add_odc_arguments, resolve_odc_args
+from megatron_odc.runner.tensorboard import require_packages
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 TOKENIZER_TYPES = ("ByteTokenizer", "HuggingFaceTokenizer")
@@ -266,6 +267,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ckpt.add_argument("--log-interval", type=int, default=5, help="iterations per log line")
     ckpt.add_argument(
+        "--tensorboard-dir",
+        default=None,
+        help="write TensorBoard scalars here (rank 0): Megatron-LM's tags (lm loss, learning-rate, "
+        "grad-norm, ...) and ODC's (odc/...); needs the tensorboard package",
+    )
+    ckpt.add_argument(
+        "--tensorboard-log-interval",
+        type=int,
+        default=1,
+        help="record the per-iteration scalars (lm loss, learning-rate, grad-norm, batch-size) of "
+        "every this many iterations (they are written with each --log-interval line)",
+    )
+    ckpt.add_argument(
+        "--wandb-project",
+        default=None,
+        help="also send the TensorBoard scalars to this wandb project (needs the wandb package)",
+    )
+    ckpt.add_argument(
+        "--wandb-exp-name", default=None, help="wandb run name (needed with --wandb-project)"
+    )
+    ckpt.add_argument(
+        "--wandb-save-dir",
+        default=None,
+        help="wandb's local directory (default SAVE/wandb with --save)",
+    )
+    ckpt.add_argument(
         "--exit-interval",
         type=int,
         default=None,
@@ -335,6 +362,7 @@ def validate_args(args: argparse.Namespace, *, world_size: int) -> argparse.Name
     resolve_odc_args(args)
     _check_data(args)
     _check_checkpointing(args)
+    _check_metrics(args)
     return args
 
 
@@ -351,6 +379,7 @@ _POSITIVE = (
     "train_iters",
     "lr_decay_iters",
     "log_interval",
+    "tensorboard_log_interval",
     "save_interval",
     "exit_interval",
     "tensor_model_parallel_size",
@@ -523,3 +552,27 @@ def _check_checkpointing(args: argparse.Namespace) -> None:
                 f"{flag} {path!r} is an existing file, not a checkpoint directory; pass a "
                 "directory (a new one for --save)"
             )
+
+
+def _check_metrics(args: argparse.Namespace) -> None:
+    """``--tensorboard-dir`` / ``--wandb-*`` (Megatron-LM's names), checked before anything trains."""
+    if args.tensorboard_dir is not None and os.path.isfile(args.tensorboard_dir):
+        raise ValueError(
+            f"--tensorboard-dir {args.tensorboard_dir!r} is an existing file; pass a directory"
+        )
+    if args.wandb_project is None:
+        for flag, value in (
+            ("--wandb-exp-name", args.wandb_exp_name),
+            ("--wandb-save-dir", args.wandb_save_dir),
+        ):
+            if value is not None:
+                raise ValueError(f"{flag} applies only with --wandb-project NAME")
+    else:
+        if not args.wandb_exp_name:
+            raise ValueError("--wandb-project needs --wandb-exp-name NAME (the run's name)")
+        if args.wandb_save_dir is None and args.save is None:
+            raise ValueError(
+                "--wandb-project needs --wandb-save-dir DIR, or --save DIR (wandb then writes to "
+                "DIR/wandb)"
+            )
+    require_packages(args)

@@ -3,9 +3,11 @@
 :class:`LogInterval` collects the iterations since the last line (their ``[loss_sum, num_tokens]``
 pairs, grad norms, microbatch counts and times); :meth:`LogInterval.reduce` all-reduces the pairs over
 DP when the line is due, so the logged ``lm loss`` is the exact global per-token mean, and
-:meth:`LogInterval.line` renders Megatron's figures (iteration, consumed samples, ms per iteration,
+:meth:`LogInterval.figures` gathers Megatron's figures (iteration, consumed samples, ms per iteration,
 learning rate, lm loss, grad norm) plus ODC's (microbatches per rank, the planner's time on the
-lookahead thread and the loop's wait for it, compute imbalance, fetch/push/fence waits).
+lookahead thread and the loop's wait for it, compute imbalance, fetch/push/fence waits) into one
+:class:`LogFigures`, which renders the text line (:meth:`LogFigures.line`) and which ``tensorboard.py``
+records, so both show the same numbers.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ class LogInterval:
     pairs: list[torch.Tensor] = dataclasses.field(default_factory=list)
     """Per iteration, this rank's ``[loss_sum, num_tokens]`` (float64)."""
     grad_norms: list[float | None] = dataclasses.field(default_factory=list)
+    learning_rates: list[float] = dataclasses.field(default_factory=list)
+    """Per iteration, the learning rate its update used."""
     plan_wait_s: list[float] = dataclasses.field(default_factory=list)
     """Per iteration, what this rank waited for its plan and packed microbatches."""
     plan_s: list[float] = dataclasses.field(default_factory=list)
@@ -64,6 +68,7 @@ class LogInterval:
         microbatch_counts: list[int],
         pair: torch.Tensor,
         grad_norm: float | None,
+        learning_rate: float,
         update_successful: bool,
         plan_wait_s: float = 0.0,
         plan_s: float = 0.0,
@@ -83,6 +88,7 @@ class LogInterval:
         self.iterations.append(iteration)
         self.pairs.append(pair)
         self.grad_norms.append(grad_norm)
+        self.learning_rates.append(learning_rate)
         self.plan_wait_s.append(plan_wait_s)
         self.plan_s.append(plan_s)
 
@@ -92,37 +98,120 @@ class LogInterval:
         dist.all_reduce(pairs, group=dp_group)
         return pairs.cpu()
 
-    def line(
+    def figures(
         self,
         *,
         pairs: torch.Tensor,
-        train_iters: int,
         global_batch_size: int,
-        lr: float,
         telemetry: dict[str, float] | None,
         eta_s: float,
-    ) -> str:
-        """The log line of this interval; ``pairs`` is what :meth:`reduce` returned."""
-        iteration = self.iterations[-1]
-        grad_norm = self.grad_norms[-1]
-        loss_sum, num_tokens = (float(x) for x in pairs.sum(dim=0))
-        loss = loss_sum / num_tokens if num_tokens > 0 else float("nan")
-        elapsed_ms = 1000.0 * self.elapsed_s / self.num_iters
-        tokens_per_s = self.num_tokens / self.elapsed_s if self.elapsed_s else 0.0
+    ) -> LogFigures:
+        """The figures of this interval; ``pairs`` is what :meth:`reduce` returned."""
+        loss_sums, token_counts = pairs.double().unbind(dim=1)
+        per_iteration = tuple(
+            IterationFigures(
+                iteration=it,
+                consumed_samples=it * global_batch_size,
+                lm_loss=_mean(float(s), float(n)),
+                grad_norm=norm,
+                learning_rate=lr,
+            )
+            for it, s, n, norm, lr in zip(
+                self.iterations,
+                loss_sums,
+                token_counts,
+                self.grad_norms,
+                self.learning_rates,
+                strict=True,
+            )
+        )
+        last = per_iteration[-1]
+        return LogFigures(
+            iteration=last.iteration,
+            consumed_samples=last.consumed_samples,
+            ms_per_iteration=1000.0 * self.elapsed_s / self.num_iters,
+            learning_rate=last.learning_rate,
+            global_batch_size=global_batch_size,
+            lm_loss=_mean(float(loss_sums.sum()), float(token_counts.sum())),
+            grad_norm=last.grad_norm,
+            tokens_per_s=self.num_tokens / self.elapsed_s if self.elapsed_s else 0.0,
+            min_microbatches=self.min_microbatches,
+            max_microbatches=self.max_microbatches,
+            num_skipped=self.num_skipped,
+            plan_ahead_ms_max=1000 * max(self.plan_s),
+            plan_wait_ms_max=1000 * max(self.plan_wait_s),
+            telemetry=telemetry,
+            eta_s=eta_s,
+            per_iteration=per_iteration,
+        )
+
+
+def _mean(loss_sum: float, num_tokens: float) -> float:
+    return loss_sum / num_tokens if num_tokens > 0 else float("nan")
+
+
+@dataclasses.dataclass(frozen=True)
+class IterationFigures:
+    """One iteration's figures (TensorBoard records them every ``--tensorboard-log-interval``)."""
+
+    iteration: int
+    consumed_samples: int
+    lm_loss: float
+    """The iteration's global per-token mean loss (NaN when its minibatch had no loss token)."""
+    grad_norm: float | None
+    learning_rate: float
+
+
+@dataclasses.dataclass(frozen=True)
+class LogFigures:
+    """The figures of one log line, as the text line shows them and TensorBoard records them.
+
+    Attributes:
+        lm_loss: the global per-token mean over every iteration of the interval.
+        grad_norm, learning_rate: the last iteration's.
+        ms_per_iteration, tokens_per_s: this rank's, over the interval.
+        min_microbatches, max_microbatches: over the ranks and iterations of the interval.
+        plan_ahead_ms_max, plan_wait_ms_max: the longest planning on the lookahead thread, and the
+            longest wait for it.
+        telemetry: ODC's figures of the last minibatch, reduced over DP (``core/telemetry.py``;
+            None for backends without them).
+        per_iteration: each iteration of the interval.
+    """
+
+    iteration: int
+    consumed_samples: int
+    ms_per_iteration: float
+    learning_rate: float
+    global_batch_size: int
+    lm_loss: float
+    grad_norm: float | None
+    tokens_per_s: float
+    min_microbatches: int | None
+    max_microbatches: int | None
+    num_skipped: int
+    plan_ahead_ms_max: float
+    plan_wait_ms_max: float
+    telemetry: dict[str, float] | None
+    eta_s: float
+    per_iteration: tuple[IterationFigures, ...]
+
+    def line(self, train_iters: int) -> str:
+        """The Megatron-style log line."""
+        grad_norm = self.grad_norm
         parts = [
-            f"iteration {iteration:8d}/{train_iters:8d}",
-            f"consumed samples: {iteration * global_batch_size:12d}",
-            f"elapsed time per iteration (ms): {elapsed_ms:.1f}",
-            f"learning rate: {lr:.6E}",
-            f"global batch size: {global_batch_size:5d}",
-            f"lm loss: {loss:.6E}",
+            f"iteration {self.iteration:8d}/{train_iters:8d}",
+            f"consumed samples: {self.consumed_samples:12d}",
+            f"elapsed time per iteration (ms): {self.ms_per_iteration:.1f}",
+            f"learning rate: {self.learning_rate:.6E}",
+            f"global batch size: {self.global_batch_size:5d}",
+            f"lm loss: {self.lm_loss:.6E}",
             f"grad norm: {grad_norm:.3f}" if grad_norm is not None else "grad norm: n/a",
-            f"tokens/s: {tokens_per_s:.0f}",
+            f"tokens/s: {self.tokens_per_s:.0f}",
             f"num microbatches min/max: {self.min_microbatches}/{self.max_microbatches}",
             f"number of skipped iterations: {self.num_skipped:3d}",
-            "plan ahead/wait max (ms): "
-            f"{1000 * max(self.plan_s):.1f}/{1000 * max(self.plan_wait_s):.1f}",
+            f"plan ahead/wait max (ms): {self.plan_ahead_ms_max:.1f}/{self.plan_wait_ms_max:.1f}",
         ]
+        telemetry = self.telemetry
         if telemetry is not None:
             parts.append(f"odc compute imbalance: {telemetry['compute_imbalance']:.2f}x")
             parts.append(
@@ -132,5 +221,5 @@ class LogInterval:
                 f"{1000 * telemetry['push_s_max']:.1f}/{1000 * telemetry['push_s_mean']:.1f}, "
                 f"{1000 * telemetry['fence_s_max']:.1f}/{1000 * telemetry['fence_s_mean']:.1f}"
             )
-        parts.append(f"ETA {datetime.timedelta(seconds=round(max(eta_s, 0.0)))}")
+        parts.append(f"ETA {datetime.timedelta(seconds=round(max(self.eta_s, 0.0)))}")
         return " | ".join(parts)

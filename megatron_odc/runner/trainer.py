@@ -7,7 +7,8 @@
 - ``model`` / ``optimizer`` (``mcore.backends.build_backend``) and ``scheduler``: the GPT under
   ``odc``, ``fsdp``, ``ddp`` or ``distopt``, and Megatron's ``OptimizerParamScheduler``;
 - checkpoints (``checkpoint.py``): ``--save`` / ``--load`` / ``--finetune``;
-- the log (``log.py``): Megatron-style lines with ODC's figures.
+- the log (``log.py``): Megatron-style lines with ODC's figures, and the same figures in TensorBoard /
+  wandb (``tensorboard.py``) on rank 0.
 
 One iteration ([Note: one training iteration] in ``data_pipeline.py``): take this rank's planned
 microbatches, run megatron-core's schedule over them (``mcore.step.train_step``; a rank with none only
@@ -45,6 +46,7 @@ from megatron_odc.runner import checkpoint, errors
 from megatron_odc.runner.data_pipeline import DataPipeline
 from megatron_odc.runner.health import HealthMonitor, default_store
 from megatron_odc.runner.log import LogInterval, setup_logging
+from megatron_odc.runner.tensorboard import MetricsWriter
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +184,8 @@ class Trainer:
             else None,
         )
         self.scheduler = optimizer_setup.scheduler(args, self.optimizer)
+        # Rank 0 writes the text log, so it writes TensorBoard / wandb: the same numbers.
+        self.metrics = MetricsWriter.open(args) if dist.get_rank() == 0 else None
 
     # ------------------------------------------------------------------ run
 
@@ -258,6 +262,7 @@ class Trainer:
             microbatch_counts=counts,
             pair=pair,
             grad_norm=None if grad_norm is None else float(grad_norm),
+            learning_rate=self.lr,
             update_successful=report["update_successful"],
             plan_wait_s=minibatch.plan_wait_s,
             plan_s=minibatch.plan_s,
@@ -309,26 +314,24 @@ class Trainer:
             )
 
     def _log(self, interval: LogInterval, result: TrainResult, eta_s: float) -> None:
-        """Reduce the interval over DP (collective), record it and log its line on rank 0."""
+        """Reduce the interval over DP (collective), record it, log its line on rank 0 and hand its
+        figures to TensorBoard / wandb (``--tensorboard-dir``, ``--wandb-project``)."""
         pairs = interval.reduce(self.device, self.dp_group)
-        for it, (loss_sum, num_tokens), norm in zip(
-            interval.iterations, pairs.tolist(), interval.grad_norms, strict=True
-        ):
-            result.losses[it] = loss_sum / num_tokens if num_tokens > 0 else float("nan")
-            if norm is not None:
-                result.grad_norms[it] = norm
         log_telemetry = getattr(self.model, "log_telemetry", None)
         telemetry = log_telemetry() if log_telemetry is not None else None  # collective
-        logger.info(
-            interval.line(
-                pairs=pairs,
-                train_iters=self.args.train_iters,
-                global_batch_size=self.args.global_batch_size,
-                lr=self.lr,
-                telemetry=telemetry,
-                eta_s=eta_s,
-            )
+        figures = interval.figures(
+            pairs=pairs,
+            global_batch_size=self.args.global_batch_size,
+            telemetry=telemetry,
+            eta_s=eta_s,
         )
+        for step in figures.per_iteration:
+            result.losses[step.iteration] = step.lm_loss
+            if step.grad_norm is not None:
+                result.grad_norms[step.iteration] = step.grad_norm
+        logger.info(figures.line(self.args.train_iters))
+        if self.metrics is not None:
+            self.metrics.write(figures)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -383,6 +386,8 @@ class Trainer:
         """Release the data path's lookahead thread and the backend's resources (the ODC transport's
         memory)."""
         self.data.close()
+        if self.metrics is not None:
+            self.metrics.close()
         close = getattr(self.model, "close", None)
         if close is not None:
             close()
