@@ -2,7 +2,7 @@
 # Pretrain with Megatron's distributed optimizer, finetune with ODC at another TP x DP
 # Shows: a torch_dist checkpoint saved by distopt (TP=1 x DP=2) loaded by ODC (TP=2 x DP=2, --finetune)
 # Needs: cpu
-# Takes: about 70 s on 2 CPU cores (EXAMPLE_TINY=1: about 40 s)
+# Takes: about 60 s on 2 CPU cores (EXAMPLE_TINY=1: about 45 s)
 set -euo pipefail
 source "$(dirname "$0")/_common.sh"
 

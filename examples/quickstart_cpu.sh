@@ -2,7 +2,7 @@
 # Quick start: ODC on 2 CPU ranks, then megatron-core DDP on the same samples
 # Shows: the README's quick start; --dp-backend odc and ddp train the same model (same losses)
 # Needs: cpu
-# Takes: about 40 s on 2 CPU cores (EXAMPLE_TINY=1: about 20 s)
+# Takes: about 25 s on 2 CPU cores (EXAMPLE_TINY=1: about 20 s)
 set -euo pipefail
 source "$(dirname "$0")/_common.sh"
 

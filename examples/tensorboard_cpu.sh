@@ -2,7 +2,7 @@
 # Watch an ODC run in TensorBoard
 # Shows: --tensorboard-dir: Megatron's scalars (lm loss, learning-rate, grad-norm, ...) and ODC's (odc/...)
 # Needs: cpu
-# Takes: about 25 s on 2 CPU cores (EXAMPLE_TINY=1: about 12 s)
+# Takes: about 15 s on 2 CPU cores (EXAMPLE_TINY=1: about 12 s)
 set -euo pipefail
 source "$(dirname "$0")/_common.sh"
 
