@@ -138,8 +138,8 @@ class PipelineCost:
         backward = [2.0 * c / (3.0 * self.stages) for c in full]
         return one_f_one_b_time(forward, backward, self.stages)
 
-    def best_order(self, costs: Sequence[float]) -> list[int]:
-        """The order of microbatches (indices into ``costs``) with the shortest :meth:`time`.
+    def best_order(self, costs: Sequence[float]) -> tuple[list[int], float]:
+        """The order of microbatches (indices into ``costs``) with the shortest :meth:`time`, and it.
 
         Candidates, in this order (the first of equal times wins): heaviest first (the order of every
         plan without pipelines), lightest first, and the lightest first with the second lightest last
@@ -147,13 +147,12 @@ class PipelineCost:
         one last the drain). Equal costs keep index order.
         """
         heaviest = sorted(range(len(costs)), key=lambda i: (-costs[i], i))
-        if self.stages == 1 or len(costs) < 2:
-            return heaviest
-        lightest = heaviest[::-1]
-        light_ends = [heaviest[-1], *heaviest[:-2], heaviest[-2]]
+        candidates = [heaviest]
+        if self.stages > 1 and len(costs) >= 2:
+            candidates += [heaviest[::-1], [heaviest[-1], *heaviest[:-2], heaviest[-2]]]
         best, best_time = heaviest, math.inf
-        for order in (heaviest, lightest, light_ends):
+        for order in candidates:
             time = self.time([costs[i] for i in order])
             if time < best_time:
                 best, best_time = order, time
-        return best
+        return best, best_time

@@ -562,8 +562,7 @@ def _pipeline_ordered(
     """``mbs`` in the pipeline's best order (from heaviest first), and their modelled time."""
     mbs = _heaviest_first(costs, mbs)
     mb_costs = _microbatch_cost_list(costs, mbs)
-    order = pipeline.best_order(mb_costs)
-    time = pipeline.time([mb_costs[j] for j in order])
+    order, time = pipeline.best_order(mb_costs)
     return [mbs[j] for j in order], time
 
 
@@ -627,8 +626,7 @@ def _plan_lb_micro_pipeline(
             max(_microbatch_cost_list(costs, [mbs[j]])[0] for mbs in per_rank)
             for j in range(num_per_rank)
         ]
-        order = pipeline.best_order(slots)
-        time = pipeline.time([slots[j] for j in order])
+        order, time = pipeline.best_order(slots)
         if time < best_time * (1.0 - _PIPELINE_MIN_GAIN):
             best = [[mbs[j] for j in order] for mbs in per_rank]
             best_time, misses = time, 0

@@ -11,6 +11,7 @@ cells with full-shard and hybrid ODC, ``--paper-multinode``, rendered by
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from megatron_odc.balance.profiles import load_profile_lengths
 from megatron_odc.tools.simulator import BASELINE, HYBRID_ROWS, Hardware, ModelSpec, simulate
@@ -97,7 +98,14 @@ _SHORT_SCALE = 8  # App. E: lengths / 8, cap / 8
 
 
 def multinode_report(
-    *, hw: Hardware, num_minibatches: int, seed: int, cap_tokens: int, profiles_file: str | None
+    *,
+    hw: Hardware,
+    num_minibatches: int,
+    seed: int,
+    cap_tokens: int,
+    profiles_file: str | None,
+    cells: Sequence[tuple[str, str, int]] = MULTINODE_CELLS,
+    minibatches: Sequence[int] = _MINIBATCHES,
 ) -> dict:
     """Table 5's multi-node cells with full-shard and hybrid ODC, and App. E's short-sequence setting.
 
@@ -106,6 +114,7 @@ def multinode_report(
     baselines (ODC-LB-Micro then runs the same policy's plan, as in :func:`paper_report`), with full
     sharding (``odc``) and hybrid sharding over each node (``odc_hybrid``). The short cells divide every
     length and the cap by 8 (LongAlign max 64K -> 8K, the paper's "truncated to 1/8").
+    ``cells`` and ``minibatches`` (a subset of 1/2/4/8) choose the settings.
 
     Returns:
         A JSON-ready dict: ``hardware``, ``cells`` (Table 5 settings) and ``short_cells`` (App. E).
@@ -117,7 +126,7 @@ def multinode_report(
     rows = (*HYBRID_ROWS, *ref_rows)
     pools = {}
     out: dict[str, list] = {"cells": [], "short_cells": []}
-    for preset, profile, gpus in MULTINODE_CELLS:
+    for preset, profile, gpus in cells:
         if profile not in pools:
             pools[profile] = load_profile_lengths(profile, profiles_file)
         settings = [("cells", pools[profile], cap_tokens)]
@@ -126,7 +135,8 @@ def multinode_report(
             settings.append(("short_cells", short, max(1, cap_tokens // _SHORT_SCALE)))
         model = ModelSpec.from_preset(preset)
         for key, pool, cap in settings:
-            for col, minibatch in enumerate(_MINIBATCHES):
+            for minibatch in minibatches:
+                col = _MINIBATCHES.index(minibatch)
                 count = min(num_minibatches, len(pool) // (gpus * minibatch))
                 result = simulate(
                     pool,
