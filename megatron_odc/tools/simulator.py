@@ -1,11 +1,12 @@
-"""Analytic step-time model of lockstep FSDP and ODC under each balancing plan, up to 1024 ranks.
+"""Analytic step-time model of lockstep FSDP and ODC (full-shard or hybrid) under each plan, up to 1024 ranks.
 
 Owns the schedule model behind ``python -m megatron_odc.simulate``: :class:`Hardware` (compute
 rate, link bandwidths, per-transfer latency), :class:`ModelSpec` (layers, parameter bytes,
 per-sample cost), :func:`layer_comm_s`, :func:`simulate_plan` (one minibatch under one schedule),
 :func:`simulate_minibatches` / :func:`simulate` (many minibatches, every row of :data:`ROWS`) and
 :func:`format_rows`. Plans come from :mod:`megatron_odc.balance`. Pure Python: no torch, no
-megatron. The model is stated in [Note: schedule model] and [Note: communication volumes] below.
+megatron. The model is stated in [Note: schedule model], [Note: communication volumes] and
+[Note: pipeline schedule model] below.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ __all__ = [
 #   and ``l``.
 # - ODC (``odc``): each rank runs its own microbatches, each layer taking ``max(compute, comm)``;
 #   ranks meet once per minibatch, so step = max over ranks of the rank's sum.
+# - Hybrid ODC (``odc_hybrid``): as ODC with node-local volumes, plus the once-per-minibatch
+#   all-reduce of [Note: communication volumes] after the slowest rank.
 #
 # Bubble = idle compute time / (N * step), where a rank's busy time is its pure compute
 # (communication not hidden behind compute counts as idle). With infinite bandwidth and no overhead
