@@ -505,11 +505,19 @@ def _balance_replicas(
         # Moving cost x shortens the slow replica by about x / p and lengthens the fast one as much.
         target = (times[slow] - times[fast]) * pipeline.stages / 2.0
         candidates = sorted(parts[slow], key=lambda i: (abs(costs[i] - target), i))
+        # The repacks start a few counts below the replicas' current ones (their times change little).
+        slow_k, fast_k = (
+            _packed_count(packed[j][0], oversize) - PIPELINE_PATIENCE for j in (slow, fast)
+        )
         for i in candidates[:PIPELINE_MOVE_CANDIDATES]:
             slow_part = [x for x in parts[slow] if x != i]
             fast_part = sorted([*parts[fast], i])
-            slow_packed = _pack_replica(costs, tokens, slow_part, cap_tokens, oversize, pipeline)
-            fast_packed = _pack_replica(costs, tokens, fast_part, cap_tokens, oversize, pipeline)
+            slow_packed = _pack_replica(
+                costs, tokens, slow_part, cap_tokens, oversize, pipeline, slow_k
+            )
+            fast_packed = _pack_replica(
+                costs, tokens, fast_part, cap_tokens, oversize, pipeline, fast_k
+            )
             if max(slow_packed[1], fast_packed[1]) < times[slow] * (1.0 - _PIPELINE_MIN_GAIN):
                 parts[slow], parts[fast] = slow_part, fast_part
                 packed[slow], packed[fast] = slow_packed, fast_packed
@@ -523,16 +531,21 @@ def _microbatch_cost_list(costs: Sequence[float], mbs: list[list[int]]) -> list[
     return [math.fsum(costs[i] for i in mb) for mb in mbs]
 
 
+def _packed_count(mbs: list[list[int]], oversize: set[int]) -> int:
+    """Microbatches of ``mbs`` other than the ones of a sample over the cap alone."""
+    return sum(1 for mb in mbs if not (len(mb) == 1 and mb[0] in oversize))
+
+
 def _pack_replica(
-    costs, tokens, items, cap_tokens, oversize, pipeline
+    costs, tokens, items, cap_tokens, oversize, pipeline, first_k: int = 0
 ) -> tuple[list[list[int]], float]:
     """Packs one replica's samples into the microbatches with the shortest modelled 1F1B time.
 
     Returns the microbatches in run order and their modelled time.
 
-    Tries k = the FFD count, k + 1, ... (at most one sample per microbatch), each packed by
-    :func:`_pack_k` and put in :func:`best_order`; stops after :data:`PIPELINE_PATIENCE` counts in a
-    row that do not shorten the time (see [Note: pipelines]).
+    Tries k = max(the FFD count, ``first_k``), k + 1, ... (at most one sample per microbatch), each
+    packed by :func:`_pack_k` and put in the pipeline's best order; stops after
+    :data:`PIPELINE_PATIENCE` counts in a row that do not shorten the time (see [Note: pipelines]).
     """
     alone = [[i] for i in items if i in oversize]
     rest = [i for i in items if i not in oversize]
@@ -543,8 +556,8 @@ def _pack_replica(
     best: list[list[int]] = []
     best_time = math.inf
     misses = 0
-    for k in range(len(ffd), len(rest) + 1):
-        packed = _pack_k(costs, tokens, rest, k, max(cap, 1), ffd if k == len(ffd) else None)
+    for k in range(max(len(ffd), min(first_k, len(rest))), len(rest) + 1):
+        packed = _pack_k(costs, tokens, rest, k, max(cap, 1), ffd)
         assert packed is not None, "FFD's own packing fits every k >= its count"
         mbs, time = _pipeline_ordered(costs, alone + packed, pipeline)
         if time < best_time * (1.0 - _PIPELINE_MIN_GAIN):
