@@ -619,8 +619,8 @@ def _plan_lb_micro_pipeline(
     """LB-Micro for pipelines: the count M per replica with the shortest lockstep 1F1B time.
 
     From the smallest M the packer fits, M + 1, ... are tried until :data:`PIPELINE_PATIENCE` counts in
-    a row do not shorten the time (or a replica would get only empty slots); each is dealt as without
-    pipelines and its microbatch indices put in :func:`best_order` of the per-index max cost.
+    a row do not shorten the time (or every further round would be empty); each is dealt as without
+    pipelines, and its microbatch indices are put in the pipeline's best order of the per-index max cost.
     """
     cap = max(1, sum(tokens[i] for i in rest)) if cap_tokens is None else cap_tokens
     lower = len(alone) + math.ceil(sum(tokens[i] for i in rest) / cap)
@@ -636,7 +636,7 @@ def _plan_lb_micro_pipeline(
             continue
         per_rank = _deal_rounds(costs, alone + packed, dp_size, num_per_rank)
         slots = [
-            max(_microbatch_cost_list(costs, [mbs[j]])[0] for mbs in per_rank)
+            max(math.fsum(costs[i] for i in mbs[j]) for mbs in per_rank)
             for j in range(num_per_rank)
         ]
         order, time = pipeline.best_order(slots)
