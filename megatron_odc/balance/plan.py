@@ -3,6 +3,27 @@
 Owns :class:`Plan` and :func:`make_plan`. A plan is a pure function of (kind, sample ids, lengths, DP size, cap,
 cost model, too_long policy), so every rank computes the same plan with no communication. Plans also predict
 their bubble rate under the cost model for an ODC schedule and for a lockstep (collective) schedule; see
+[Note: pipelines]
+With ``pipeline_stages = p > 1`` a "rank" of the plan is one DP replica: a pipeline of ``p`` stages that all run
+the replica's one microbatch list, so the counts of a replica's stages are equal by construction; replicas may
+differ (``lb_mini``), including 0. A replica's time is its 1F1B makespan (``balance/pipeline.py``), which adds
+the fill/drain bubble, about ``p - 1`` stage slots, to ``sum(c) / p``. That bubble shrinks with smaller
+microbatches, so the token cap's fewest microbatches are no longer the best choice:
+- ``lb_mini``: the split over replicas starts as without pipelines (KK + refine by cost); each replica then
+  tries k = its FFD count, k + 1, ... (each packed like a rank's microbatches, at most one sample each), puts
+  each packing in the order the 1F1B model finds fastest (heaviest first, lightest first, or light at both
+  ends) and keeps the count with the shortest modelled time, stopping after ``PIPELINE_PATIENCE`` counts
+  without gain. What makes more, smaller microbatches cost something is ``microbatch_overhead`` (added to every
+  microbatch) and ``microbatch_floor`` (the least a microbatch takes: under ODC each microbatch fetches every
+  layer's parameters, which a small one cannot hide); with both 0 the search splits as far as it helps.
+  Equal costs are not equal pipeline times (a heavy microbatch lengthens fill and drain), so samples then move
+  from the slowest replica to the fastest while that shortens the slowest (``PIPELINE_MOVE_CANDIDATES`` tries per
+  round, at most one round per replica).
+- ``lb_micro``: the same per-replica count M for every replica, tried from the smallest that fits upward the
+  same way, scored by the lockstep 1F1B time of the per-index max over replicas.
+- ``local_sort`` and ``round_robin`` do not change.
+With ``p = 1`` nothing of this runs: every plan is bit-identical to a plan made without the option.
+
 [Note: bubble rates]. Pure Python; imports neither torch nor megatron.
 
 [Note: plan kinds]
@@ -52,6 +73,7 @@ from megatron_odc.balance.partition import (
     refine,
     repair_cap,
 )
+from megatron_odc.balance.pipeline import PipelineCost
 
 __all__ = ["EQUAL_COUNT_PLAN_KINDS", "PLAN_KINDS", "TOO_LONG_POLICIES", "Plan", "make_plan"]
 
@@ -68,6 +90,16 @@ BALANCE_TOLERANCE = 1e-4
 part is within this relative distance of the lower bound max(mean part, largest sample): at most 0.01 points
 of bubble above the best possible split, and far less search at scale (see docs/balancing.md, planner speed)."""
 
+PIPELINE_PATIENCE = 3
+"""With pipelines, the search over microbatch counts stops after this many counts in a row that do not shorten the
+modelled 1F1B time (see [Note: pipelines])."""
+
+PIPELINE_MOVE_CANDIDATES = 3
+"""With pipelines, ``lb_mini`` tries this many samples per round when moving work off the slowest replica."""
+
+_PIPELINE_MIN_GAIN = 1e-9
+"""A count must shorten the modelled pipeline time by more than this fraction to count as better (float noise)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
@@ -80,6 +112,11 @@ class Plan:
         microbatches: ``[dp_rank][microbatch] -> sample ids``, heaviest microbatch first.
         lengths: sample id -> length as planned (after truncation).
         cost_model: the cost model the plan was balanced with.
+        pipeline_stages: pipeline stages per DP replica ``p``; with ``p > 1`` a "rank" of the plan is
+            one replica, whose every stage runs its microbatches (see [Note: pipelines]).
+        microbatch_overhead: fixed cost per microbatch (cost units) the pipeline model adds.
+        microbatch_floor: least cost of a microbatch in the pipeline model (see
+            :class:`~megatron_odc.balance.pipeline.PipelineCost`).
     """
 
     kind: str
@@ -88,6 +125,9 @@ class Plan:
     microbatches: tuple[tuple[tuple[int, ...], ...], ...]
     lengths: Mapping[int, int]
     cost_model: CostModel
+    pipeline_stages: int = 1
+    microbatch_overhead: float = 0.0
+    microbatch_floor: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kind not in PLAN_KINDS:
@@ -148,6 +188,45 @@ class Plan:
             return 0.0
         return math.fsum(total - t for t in self.rank_costs()) / (self.dp_size * total)
 
+    def pipeline_cost(self) -> PipelineCost:
+        """The pipeline model of this plan (see [Note: pipelines])."""
+        return PipelineCost(self.pipeline_stages, self.microbatch_overhead, self.microbatch_floor)
+
+    def replica_pipeline_time(self, dp_rank: int) -> float:
+        """Returns the modelled 1F1B time of replica ``dp_rank`` (see [Note: pipelines])."""
+        return self.pipeline_cost().time(self.microbatch_costs(dp_rank))
+
+    def pipeline_odc_time(self) -> float:
+        """Returns the ODC step time with pipelines: the slowest replica's 1F1B time."""
+        return max(self.replica_pipeline_time(r) for r in range(self.dp_size))
+
+    def pipeline_lockstep_time(self) -> float:
+        """Returns the lockstep step time with pipelines: 1F1B of the max over replicas per index."""
+        per_rank = [self.microbatch_costs(r) for r in range(self.dp_size)]
+        depth = max(len(c) for c in per_rank)
+        slots = [max(c[i] if i < len(c) else 0.0 for c in per_rank) for i in range(depth)]
+        return self.pipeline_cost().time(slots)
+
+    def _pipeline_bubble(self, total: float) -> float:
+        """Idle stage-time / (replicas * stages * ``total``); a stage's busy time is its compute share."""
+        if total <= 0:
+            return 0.0
+        overhead = self.microbatch_overhead
+        busy = [
+            (math.fsum(self.microbatch_costs(r)) + overhead * len(self.microbatches[r]))
+            / self.pipeline_stages
+            for r in range(self.dp_size)
+        ]
+        return math.fsum(total - b for b in busy) / (self.dp_size * total)
+
+    def bubble_pipeline_odc(self) -> float:
+        """Returns the ODC bubble rate with pipelines (fill/drain and imbalance)."""
+        return self._pipeline_bubble(self.pipeline_odc_time())
+
+    def bubble_pipeline_lockstep(self) -> float:
+        """Returns the lockstep bubble rate with pipelines (fill/drain and imbalance)."""
+        return self._pipeline_bubble(self.pipeline_lockstep_time())
+
     def metrics(self) -> dict:
         """Returns balance metrics of the plan.
 
@@ -178,7 +257,17 @@ class Plan:
             "lockstep_time": self.lockstep_time(),
             "bubble_odc": self.bubble_odc(),
             "bubble_lockstep": self.bubble_lockstep(),
-        }
+        } | (
+            {
+                "pipeline_stages": self.pipeline_stages,
+                "pipeline_odc_time": self.pipeline_odc_time(),
+                "pipeline_lockstep_time": self.pipeline_lockstep_time(),
+                "bubble_pipeline_odc": self.bubble_pipeline_odc(),
+                "bubble_pipeline_lockstep": self.bubble_pipeline_lockstep(),
+            }
+            if self.pipeline_stages > 1
+            else {}
+        )
 
 
 def make_plan(
@@ -190,6 +279,9 @@ def make_plan(
     cap_tokens: int | None,
     cost_model: CostModel,
     too_long: str = "error",
+    pipeline_stages: int = 1,
+    microbatch_overhead: float = 0.0,
+    microbatch_floor: float = 0.0,
 ) -> Plan:
     """Plans one minibatch (see [Note: plan kinds]).
 
@@ -203,6 +295,14 @@ def make_plan(
         cost_model: per-sample cost model.
         too_long: what to do with a sample longer than ``cap_tokens``: ``"error"`` (ValueError), ``"truncate"``
             (plan it at ``cap_tokens`` tokens) or ``"alone"`` (its own microbatch, over the cap).
+        pipeline_stages: pipeline stages per DP replica; with more than 1, ``dp_size`` counts replicas
+            (pipelines), each replica's microbatch list is what every one of its stages runs, and
+            ``lb_mini`` / ``lb_micro`` choose the microbatches that minimise the modelled 1F1B time
+            (see [Note: pipelines]). With 1 (the default) every plan is what it was without the option.
+        microbatch_overhead: fixed cost per microbatch, in cost units, that the pipeline model adds
+            (kernel launches, stage-to-stage sends); used only with ``pipeline_stages > 1``.
+        microbatch_floor: least cost of a microbatch in the pipeline model (the parameter fetches a
+            microbatch pays whatever its size); used only with ``pipeline_stages > 1``.
 
     Returns:
         The plan; identical on every rank for identical inputs.
@@ -218,6 +318,7 @@ def make_plan(
         raise ValueError(f"dp_size must be >= 1, got {dp_size}")
     if cap_tokens is not None and cap_tokens < 1:
         raise ValueError(f"cap_tokens must be >= 1 or None, got {cap_tokens}")
+    pipeline = PipelineCost(pipeline_stages, microbatch_overhead, microbatch_floor)  # validates
     if len(sample_ids) != len(lengths):
         raise ValueError(f"got {len(sample_ids)} sample ids but {len(lengths)} lengths")
     if len(set(sample_ids)) != len(sample_ids):
@@ -244,9 +345,9 @@ def make_plan(
     costs = cost_model.costs(tokens)
 
     if kind == "lb_mini":
-        per_rank = _plan_lb_mini(costs, tokens, dp_size, cap_tokens, oversize)
+        per_rank = _plan_lb_mini(costs, tokens, dp_size, cap_tokens, oversize, pipeline)
     elif kind == "lb_micro":
-        per_rank = _plan_lb_micro(costs, tokens, dp_size, cap_tokens, oversize)
+        per_rank = _plan_lb_micro(costs, tokens, dp_size, cap_tokens, oversize, pipeline)
     elif kind == "local_sort":
         per_rank = _plan_local_sort(tokens, dp_size)
     else:
@@ -262,6 +363,9 @@ def make_plan(
         microbatches=microbatches,
         lengths=dict(zip(sample_ids, tokens, strict=True)),
         cost_model=cost_model,
+        pipeline_stages=pipeline_stages,
+        microbatch_overhead=microbatch_overhead,
+        microbatch_floor=microbatch_floor,
     )
     assert sorted(plan.sample_ids()) == sorted(sample_ids), "plan lost or duplicated a sample"
     return plan
@@ -374,17 +478,126 @@ def _pack_rank(
     return _heaviest_first(costs, alone + packed)
 
 
-def _plan_lb_mini(costs, tokens, dp_size, cap_tokens, oversize) -> list[list[list[int]]]:
+def _plan_lb_mini(costs, tokens, dp_size, cap_tokens, oversize, pipeline) -> list[list[list[int]]]:
     parts = balanced_partition(costs, dp_size, rel_tol=BALANCE_TOLERANCE)
+    if pipeline.stages > 1:
+        return _balance_replicas(costs, tokens, parts, cap_tokens, oversize, pipeline)
     return [_pack_rank(costs, tokens, part, cap_tokens, oversize) for part in parts]
 
 
-def _plan_lb_micro(costs, tokens, dp_size, cap_tokens, oversize) -> list[list[list[int]]]:
+def _balance_replicas(
+    costs, tokens, parts, cap_tokens, oversize, pipeline
+) -> list[list[list[int]]]:
+    """Packs every replica's part, then moves samples from the slowest replica to the fastest.
+
+    A replica with a heavy microbatch pays more fill/drain, so equal costs are not equal pipeline times.
+    Each round tries moving one of the slowest replica's samples (the :data:`PIPELINE_MOVE_CANDIDATES`
+    whose cost is nearest the one that would equalise the two replicas' shares) to the fastest replica,
+    repacks both and keeps the first move that shortens the slower of the two below the slowest's time.
+    It stops when no candidate does, or after ``len(parts)`` rounds (see [Note: pipelines]).
+    """
+    parts = [list(p) for p in parts]
+    packed = [_pack_replica(costs, tokens, p, cap_tokens, oversize, pipeline) for p in parts]
+    for _ in range(len(parts)):
+        times = [t for _, t in packed]
+        slow = max(range(len(parts)), key=lambda j: (times[j], -j))
+        fast = min(range(len(parts)), key=lambda j: (times[j], j))
+        # Moving cost x shortens the slow replica by about x / p and lengthens the fast one as much.
+        target = (times[slow] - times[fast]) * pipeline.stages / 2.0
+        candidates = sorted(parts[slow], key=lambda i: (abs(costs[i] - target), i))
+        # The repacks start a few counts below the replicas' current ones (their times change little).
+        slow_k, fast_k = (
+            _packed_count(packed[j][0], oversize) - PIPELINE_PATIENCE for j in (slow, fast)
+        )
+        for i in candidates[:PIPELINE_MOVE_CANDIDATES]:
+            slow_part = [x for x in parts[slow] if x != i]
+            fast_part = sorted([*parts[fast], i])
+            slow_packed = _pack_replica(
+                costs, tokens, slow_part, cap_tokens, oversize, pipeline, slow_k
+            )
+            fast_packed = _pack_replica(
+                costs, tokens, fast_part, cap_tokens, oversize, pipeline, fast_k
+            )
+            if max(slow_packed[1], fast_packed[1]) < times[slow] * (1.0 - _PIPELINE_MIN_GAIN):
+                parts[slow], parts[fast] = slow_part, fast_part
+                packed[slow], packed[fast] = slow_packed, fast_packed
+                break
+        else:
+            break
+    return [mbs for mbs, _ in packed]
+
+
+def _microbatch_cost_list(costs: Sequence[float], mbs: list[list[int]]) -> list[float]:
+    return [math.fsum(costs[i] for i in mb) for mb in mbs]
+
+
+def _packed_count(mbs: list[list[int]], oversize: set[int]) -> int:
+    """Microbatches of ``mbs`` other than the ones of a sample over the cap alone."""
+    return sum(1 for mb in mbs if not (len(mb) == 1 and mb[0] in oversize))
+
+
+def _pack_replica(
+    costs, tokens, items, cap_tokens, oversize, pipeline, first_k: int = 0
+) -> tuple[list[list[int]], float]:
+    """Packs one replica's samples into the microbatches with the shortest modelled 1F1B time.
+
+    Returns the microbatches in run order and their modelled time.
+
+    Tries k = max(the FFD count, ``first_k``), k + 1, ... (at most one sample per microbatch), each
+    packed by :func:`_pack_k` and put in the pipeline's best order; stops after
+    :data:`PIPELINE_PATIENCE` counts in a row that do not shorten the time (see [Note: pipelines]).
+    """
+    alone = [[i] for i in items if i in oversize]
+    rest = [i for i in items if i not in oversize]
+    if not rest:
+        return _pipeline_ordered(costs, alone, pipeline)
+    cap = sum(tokens[i] for i in rest) if cap_tokens is None else cap_tokens
+    ffd = first_fit_decreasing([tokens[i] for i in rest], max(cap, 1))
+    best: list[list[int]] = []
+    best_time = math.inf
+    misses = 0
+    for k in range(max(len(ffd), min(first_k, len(rest))), len(rest) + 1):
+        packed = _pack_k(costs, tokens, rest, k, max(cap, 1), ffd)
+        assert packed is not None, "FFD's own packing fits every k >= its count"
+        mbs, time = _pipeline_ordered(costs, alone + packed, pipeline)
+        if time < best_time * (1.0 - _PIPELINE_MIN_GAIN):
+            best, best_time, misses = mbs, time, 0
+        else:
+            misses += 1
+            if misses >= PIPELINE_PATIENCE:
+                break
+    return best, best_time
+
+
+def _pipeline_ordered(
+    costs, mbs: list[list[int]], pipeline: PipelineCost
+) -> tuple[list[list[int]], float]:
+    """``mbs`` in the pipeline's best order (from heaviest first), and their modelled time."""
+    mbs = _heaviest_first(costs, mbs)
+    mb_costs = _microbatch_cost_list(costs, mbs)
+    order, time = pipeline.best_order(mb_costs)
+    return [mbs[j] for j in order], time
+
+
+def _lb_micro_pack(costs, tokens, dp_size, cap_tokens, alone, rest, num_per_rank):
+    """``dp_size * num_per_rank`` microbatches (some maybe empty) under the cap, or ``None``."""
+    num_free = dp_size * num_per_rank - len(alone)
+    if num_free < 1 and rest:
+        return None
+    found = _pack_k(costs, tokens, rest, max(num_free, 0), cap_tokens) if rest else []
+    if found is None:
+        return None
+    return found + [[] for _ in range(num_free - len(found))]
+
+
+def _plan_lb_micro(costs, tokens, dp_size, cap_tokens, oversize, pipeline) -> list[list[list[int]]]:
     n = len(costs)
     if n == 0:
         return [[] for _ in range(dp_size)]
     alone = [[i] for i in range(n) if i in oversize]
     rest = [i for i in range(n) if i not in oversize]
+    if pipeline.stages > 1:
+        return _plan_lb_micro_pipeline(costs, tokens, dp_size, cap_tokens, alone, rest, pipeline)
     if cap_tokens is None:
         num_per_rank = 1
         packed = [[rest[i] for i in p] for p in karmarkar_karp([costs[i] for i in rest], dp_size)]
@@ -393,14 +606,54 @@ def _plan_lb_micro(costs, tokens, dp_size, cap_tokens, oversize) -> list[list[li
         lower = len(alone) + math.ceil(sum(tokens[i] for i in rest) / cap_tokens)
         num_per_rank = max(1, math.ceil(lower / dp_size))
         while True:
-            num_free = dp_size * num_per_rank - len(alone)
-            if num_free >= 1 or not rest:
-                found = _pack_k(costs, tokens, rest, max(num_free, 0), cap_tokens) if rest else []
-                if found is not None:
-                    packed = found + [[] for _ in range(num_free - len(found))]
-                    break
+            packed = _lb_micro_pack(costs, tokens, dp_size, cap_tokens, alone, rest, num_per_rank)
+            if packed is not None:
+                break
             num_per_rank += 1
-    mbs = _heaviest_first(costs, alone + packed)
+    return _deal_rounds(costs, alone + packed, dp_size, num_per_rank)
+
+
+def _plan_lb_micro_pipeline(
+    costs, tokens, dp_size, cap_tokens, alone, rest, pipeline
+) -> list[list[list[int]]]:
+    """LB-Micro for pipelines: the count M per replica with the shortest lockstep 1F1B time.
+
+    From the smallest M the packer fits, M + 1, ... are tried until :data:`PIPELINE_PATIENCE` counts in
+    a row do not shorten the time (or every further round would be empty); each is dealt as without
+    pipelines, and its microbatch indices are put in the pipeline's best order of the per-index max cost.
+    """
+    cap = max(1, sum(tokens[i] for i in rest)) if cap_tokens is None else cap_tokens
+    lower = len(alone) + math.ceil(sum(tokens[i] for i in rest) / cap)
+    first = max(1, math.ceil(lower / dp_size))
+    # From ceil(samples / dp_size) on, every further round would be empty on every replica.
+    last = max(first, math.ceil((len(rest) + len(alone)) / dp_size))
+    best: list[list[list[int]]] | None = None
+    best_time = math.inf
+    misses = 0
+    for num_per_rank in range(first, last + 1):
+        packed = _lb_micro_pack(costs, tokens, dp_size, cap, alone, rest, num_per_rank)
+        if packed is None:
+            continue
+        per_rank = _deal_rounds(costs, alone + packed, dp_size, num_per_rank)
+        slots = [
+            max(math.fsum(costs[i] for i in mbs[j]) for mbs in per_rank)
+            for j in range(num_per_rank)
+        ]
+        order, time = pipeline.best_order(slots)
+        if time < best_time * (1.0 - _PIPELINE_MIN_GAIN):
+            best = [[mbs[j] for j in order] for mbs in per_rank]
+            best_time, misses = time, 0
+        else:
+            misses += 1
+            if misses >= PIPELINE_PATIENCE:
+                break
+    assert best is not None, "one sample per microbatch always fits the cap"
+    return best
+
+
+def _deal_rounds(costs, microbatches, dp_size, num_per_rank) -> list[list[list[int]]]:
+    """Deals microbatches (heaviest first) in rounds of ``dp_size`` (see [Note: plan kinds])."""
+    mbs = _heaviest_first(costs, microbatches)
     assert len(mbs) == dp_size * num_per_rank
     per_rank: list[list[list[int]]] = [[] for _ in range(dp_size)]
     totals = [0.0] * dp_size

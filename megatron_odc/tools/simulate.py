@@ -1,9 +1,11 @@
 """``python -m megatron_odc.simulate``: the command line of the step-time simulator.
 
-Owns the flags (:func:`build_parser`) and the dispatch (:func:`main`) over three modes: a length
+Owns the flags (:func:`build_parser`) and the dispatch (:func:`main`) over five modes: a length
 pool (``--profile`` / ``--lengths``) through the model of :mod:`megatron_odc.tools.simulator`, the
-paper's tables (``--paper``, :mod:`megatron_odc.tools.paper`) and a CPU benchmark file
-(``--benchmark-json``, :mod:`megatron_odc.tools.calibration`). See docs/benchmarks.md. Example::
+paper's tables (``--paper``) and its multi-node cells with hybrid ODC (``--paper-multinode``, both
+:mod:`megatron_odc.tools.paper`), the pipeline-parallel speedups (``--pipeline-report``,
+:mod:`megatron_odc.tools.pipeline_report`) and a CPU benchmark file (``--benchmark-json``,
+:mod:`megatron_odc.tools.calibration`). See docs/benchmarks.md. Example::
 
     python -m megatron_odc.simulate --profile longalign --dp 8 --minibatch 4 --model 1.5b
 """
@@ -28,9 +30,24 @@ from megatron_odc.tools.cli_args import (
     explicit_cost_model,
     lengths_from_args,
 )
-from megatron_odc.tools.paper import format_paper_report, paper_report
+from megatron_odc.tools.paper import (
+    format_multinode_report,
+    format_paper_report,
+    multinode_report,
+    paper_report,
+)
+from megatron_odc.tools.pipeline_report import format_pipeline_report, pipeline_report
 from megatron_odc.tools.presets import MODEL_PRESETS
-from megatron_odc.tools.simulator import A100_ROCE, Hardware, ModelSpec, format_rows, simulate
+from megatron_odc.tools.simulator import (
+    A100_ROCE,
+    HYBRID_ROWS,
+    PIPELINE_ROWS,
+    ROWS,
+    Hardware,
+    ModelSpec,
+    format_rows,
+    simulate,
+)
 
 __all__ = ["build_parser", "main"]
 
@@ -50,11 +67,34 @@ def build_parser() -> argparse.ArgumentParser:
         "--paper", action="store_true", help="the paper's settings next to its Tables 5 and 6"
     )
     mode.add_argument(
+        "--paper-multinode",
+        action="store_true",
+        help="Table 5's 14B/16-GPU and 32B/32-GPU cells with full-shard and hybrid ODC (~20 s)",
+    )
+    mode.add_argument(
+        "--pipeline-report",
+        action="store_true",
+        help="32B at PP=1/2/4 on 32 and 64 GPUs: ODC+LB-Mini vs FSDP+LB-Micro (a few minutes)",
+    )
+    mode.add_argument(
         "--benchmark-json",
         help="compare with a benchmarks/imbalance.py --out file (CPU calibration)",
     )
     parser.add_argument("--profiles-file", help="profile JSON (default: see megatron_odc.balance)")
-    parser.add_argument("--dp", type=int, default=8, help="DP size, up to 1024")
+    parser.add_argument(
+        "--dp", type=int, default=8, help="DP size (replicas with --pipeline-stages), up to 1024"
+    )
+    parser.add_argument(
+        "--pipeline-stages",
+        type=int,
+        default=1,
+        help="pipeline stages per DP replica (1F1B); --minibatch is then samples per replica",
+    )
+    parser.add_argument(
+        "--hybrid",
+        action="store_true",
+        help="add hybrid ODC rows (sharded over each node, one inter-node all-reduce per minibatch)",
+    )
     parser.add_argument("--minibatch", type=int, default=4, help="samples per rank per minibatch")
     parser.add_argument("--cap", type=int, default=65536, help="tokens per microbatch; 0 = no cap")
     parser.add_argument("--num-minibatches", type=int, default=32)
@@ -121,7 +161,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             overlap=not args.no_overlap,
         )
         cap_tokens(args)  # rejects a negative --cap in every mode
-        if args.paper:
+        if args.paper_multinode or args.pipeline_report:
+            make_report, render = (
+                (multinode_report, format_multinode_report)
+                if args.paper_multinode
+                else (pipeline_report, format_pipeline_report)
+            )
+            result = make_report(
+                hw=hw,
+                num_minibatches=args.num_minibatches,
+                seed=args.seed,
+                cap_tokens=args.cap,
+                profiles_file=args.profiles_file,
+            )
+            text = render(result)
+        elif args.paper:
             report = paper_report(
                 hw=hw,
                 num_minibatches=args.num_minibatches,
@@ -149,11 +203,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ValueError("give --profile, --lengths, --paper or --benchmark-json")
             lengths = lengths_from_args(args)
             model = _model_from_args(args)
-            rows = simulate(lengths, model=model, hw=hw, **draw_options(args))
+            if args.pipeline_stages > 1:
+                table = PIPELINE_ROWS + (HYBRID_ROWS[3:] if args.hybrid else ())
+            else:
+                table = ROWS + (HYBRID_ROWS[3:] if args.hybrid else ())
+            rows = simulate(
+                lengths,
+                model=model,
+                hw=hw,
+                rows=table,
+                pipeline_stages=args.pipeline_stages,
+                **draw_options(args),
+            )
             result = rows
             text = format_rows(
                 rows,
-                f"dp={args.dp} minibatch/rank={args.minibatch} cap={args.cap} "
+                f"dp={args.dp} pp={args.pipeline_stages} minibatch/rank={args.minibatch} "
+                f"cap={args.cap} "
                 f"minibatches={args.num_minibatches} seed={args.seed} layers={model.num_layers} "
                 f"cost a={model.cost.a:.4g} b={model.cost.b:.4g}",
             )

@@ -22,6 +22,10 @@ for kind in ("lb_mini", "lb_micro", "round_robin"):
     plan = make_plan(kind, list(range(600)), lengths, 80, cap_tokens=40000, cost_model=cost,
                      too_long="alone")
     out[kind] = [list(map(list, mbs)) for mbs in plan.microbatches]
+for kind in ("lb_mini", "lb_micro"):  # pipeline-aware plans: 80 replicas of 3 stages
+    plan = make_plan(kind, list(range(600)), lengths, 80, cap_tokens=40000, cost_model=cost,
+                     too_long="alone", pipeline_stages=3)
+    out[kind + "_pp3"] = [list(map(list, mbs)) for mbs in plan.microbatches]
 json.dump({"plans": out, "lengths": lengths}, sys.stdout)
 """
 
@@ -45,7 +49,9 @@ def test_plans_are_identical_across_processes(two_processes) -> None:
     assert first["plans"] == second["plans"]
 
 
-@pytest.mark.parametrize("kind", ["lb_mini", "lb_micro", "round_robin"])
+@pytest.mark.parametrize(
+    "kind", ["lb_mini", "lb_micro", "round_robin", "lb_mini_pp3", "lb_micro_pp3"]
+)
 def test_no_sample_lost_or_duplicated_and_cap_kept(two_processes, kind) -> None:
     result = two_processes[0]
     lengths, per_rank = result["lengths"], result["plans"][kind]

@@ -10,9 +10,12 @@ import pytest
 
 from megatron_odc.balance import CostModel, Plan, make_plan
 from megatron_odc.tools.simulator import (
+    HYBRID_ROWS,
+    PIPELINE_ROWS,
     Hardware,
     ModelSpec,
     layer_comm_s,
+    minibatch_allreduce_s,
     simulate,
     simulate_minibatches,
     simulate_plan,
@@ -163,3 +166,100 @@ def test_errors_name_the_flag() -> None:
         ModelSpec.from_preset("3b")
     with pytest.raises(ValueError, match="multiple of dp_size"):
         simulate_minibatches([[1, 2, 3]], dp_size=2, cap_tokens=None, model=model, hw=NO_COMM)
+
+
+def test_hybrid_odc_stays_in_the_node_and_all_reduces_once_per_minibatch() -> None:
+    # D = 32 ranks, G = 8 per node: the shard group is the node, P = 8e9 bytes per layer, K = 1e9.
+    # Gather: 7 * K over the intra-node link (100 GB/s) + 7 peers' latency; nothing inter-node.
+    hw = Hardware(
+        flops_per_s=1.0,
+        intra_node_gbps=100.0,
+        inter_node_gbps=100.0,
+        gpus_per_node=8,
+        latency_s=1e-3,
+    )
+    assert layer_comm_s(hw, 8e9, 32, "odc_hybrid") == pytest.approx(7e9 / 100e9 + 7e-3)
+    # Within one node hybrid and full sharding are the same thing.
+    assert layer_comm_s(hw, 8e9, 8, "odc_hybrid") == layer_comm_s(hw, 8e9, 8, "odc")
+    # All-reduce of W = 64e9 gradient bytes: each rank's shard W/8 over R = 4 replicas, a ring sends
+    # 2 * 3/4 * 8e9 = 12e9 bytes per rank at 100/8 GB/s, plus one collective latency.
+    assert minibatch_allreduce_s(hw, 64e9, 32) == pytest.approx(12e9 / 12.5e9 + 1e-3)
+    assert minibatch_allreduce_s(hw, 64e9, 8) == 0.0
+    with pytest.raises(ValueError, match="multiple of --gpus-per-node"):
+        minibatch_allreduce_s(hw, 64e9, 12)
+    # A step: per layer as ODC with the node-local volumes, then the all-reduce (idle time).
+    plan = _plan(tuple(((r,),) for r in range(32)), dict.fromkeys(range(32), 6))
+    model = ModelSpec(
+        num_layers=2, param_nbytes_per_layer=8e9, grad_nbytes_per_layer=16e9, cost=TOKENS
+    )
+    get_s = layer_comm_s(hw, 8e9, 32, "odc_hybrid")
+    push_s = layer_comm_s(hw, 16e9, 32, "odc_hybrid", push=True)
+    expected = 2 * (max(1.0, get_s) + max(2.0, get_s + push_s)) + minibatch_allreduce_s(
+        hw, 32e9, 32
+    )
+    step = simulate_plan(plan, "odc_hybrid", model, hw)
+    assert step.time_s == pytest.approx(expected)
+    assert step.bubble == pytest.approx((expected - 6.0) / expected)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_pipelines_without_communication_reduce_to_the_plan_pipeline_times(seed: int) -> None:
+    rng = random.Random(seed)
+    replicas, stages = rng.choice([2, 3]), rng.choice([2, 4])
+    lengths = [rng.randint(50, 4000) for _ in range(replicas * rng.randint(2, 6))]
+    cost = CostModel(a=3e-4, b=1.0)
+    model = ModelSpec(
+        num_layers=8, param_nbytes_per_layer=1e6, grad_nbytes_per_layer=2e6, cost=cost
+    )
+    ids = list(range(len(lengths)))
+    for kind in ("lb_mini", "lb_micro"):
+        plan = make_plan(
+            kind, ids, lengths, replicas, cap_tokens=4096, cost_model=cost, pipeline_stages=stages
+        )
+        fsdp = simulate_plan(plan, "fsdp", model, NO_COMM)
+        odc = simulate_plan(plan, "odc", model, NO_COMM)
+        assert fsdp.time_s == pytest.approx(plan.pipeline_lockstep_time(), rel=1e-9)
+        assert fsdp.bubble == pytest.approx(plan.bubble_pipeline_lockstep(), abs=1e-9)
+        assert odc.time_s == pytest.approx(plan.pipeline_odc_time(), rel=1e-9)
+        assert odc.bubble == pytest.approx(plan.bubble_pipeline_odc(), abs=1e-9)
+
+
+def test_pipeline_hops_and_simulate_rows() -> None:
+    # One microbatch of 600 tokens through 2 stages: F, hop, F, B, hop, B; 1 byte per token at 1 kB/s
+    # (intra-node: 2 replicas < 8 per node) is 0.6 s per hop.
+    plan = dataclasses.replace(_plan((((0,),), ((1,),)), {0: 600, 1: 600}), pipeline_stages=2)
+    slow = Hardware(flops_per_s=1.0, intra_node_gbps=1e-6, inter_node_gbps=1e-6, gpus_per_node=8)
+    model = ModelSpec(
+        num_layers=2,
+        param_nbytes_per_layer=0.0,
+        grad_nbytes_per_layer=0.0,
+        cost=TOKENS,
+        activation_nbytes_per_token=1.0,
+    )
+    assert simulate_plan(plan, "odc", model, slow).time_s == pytest.approx(600 + 2 * 0.6)
+    pool = [random.Random(3).randint(100, 8000) for _ in range(64)]
+    rows = simulate(
+        pool,
+        dp_size=2,
+        minibatch=8,
+        cap_tokens=8192,
+        model=dataclasses.replace(model, activation_nbytes_per_token=0.0),
+        hw=NO_COMM,
+        num_minibatches=2,
+        rows=PIPELINE_ROWS + HYBRID_ROWS[3:],
+        pipeline_stages=2,
+    )
+    by_name = {f"{r['schedule']}+{r['plan']}": r for r in rows}
+    assert by_name["odc+lb_mini"]["speedup"] >= 1.0
+    assert by_name["odc+lb_micro"]["time_s"] <= by_name["fsdp+lb_micro"]["time_s"] * (1 + 1e-12)
+    with pytest.raises(ValueError, match="lb_micro_ref"):
+        simulate(
+            pool,
+            dp_size=2,
+            minibatch=8,
+            cap_tokens=8192,
+            model=model,
+            hw=NO_COMM,
+            num_minibatches=1,
+            pipeline_stages=2,
+        )
