@@ -2,7 +2,7 @@
 # Megatron-LM's own pretrain_gpt.py with --dp-backend odc on 2 CPU ranks, next to Megatron-LM's DDP
 # Shows: python -m megatron_odc.launch running Megatron-LM core_v0.16.1's pretrain_gpt.py on mock data, once with ODC and once with Megatron-LM's own DDP: the same losses
 # Needs: cpu megatron-lm
-# Takes: about 60 s on 2 CPU cores (EXAMPLE_TINY=1: about 45 s)
+# Takes: about 75 s on 2 CPU cores (EXAMPLE_TINY=1: about 50 s)
 set -euo pipefail
 
 # MEGATRON_LM_PATH: a Megatron-LM core_v0.16.1 tree, with `pip install -e .[megatron-lm]` done here.

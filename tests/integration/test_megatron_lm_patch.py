@@ -3,7 +3,7 @@
 Without Megatron-LM: the patch adds exactly one hook line at every ``PATCH_POINTS`` name (in that name's
 module), the CPU hook at the start of ``CPU_HOOK``'s function and the hook imports, and nothing else
 (no copy of the logic); each hook returns the launcher's own wrapper; the CPU flags the launcher and
-the hook add. With ``MEGATRON_LM_PATH``: the patch equals a fresh generation from that tree
+the hook add; docs/megatron_lm.md lists the same patch points and count. With ``MEGATRON_LM_PATH``: the patch equals a fresh generation from that tree
 (``patches/make_megatron_lm_patch.py``), applies with ``git apply`` to a copy, and that copy's own
 ``pretrain_gpt.py`` (no launcher) prints the launcher's losses.
 """
@@ -125,6 +125,24 @@ def test_cpu_flags_added_only_where_unset_and_only_without_cuda(caplog) -> None:
     assert with_cpu_flags(["--seed", "1"], cuda=True) == ["--seed", "1"]  # nothing on GPU
     assert with_cpu_flags(every, cuda=False) == every
     assert not caplog.records  # nothing added, nothing logged
+
+
+def test_docs_list_the_code_s_patch_points_and_count() -> None:
+    from megatron_odc.integration.megatron_lm.cpu_shims import cpu_shims
+    from megatron_odc.mcore.cpu_optimizers import unfused_distopt_patches
+
+    docs = (REPO_ROOT / "docs" / "megatron_lm.md").read_text()
+    listed = re.findall(r"^- `(megatron\.training\.[\w.]+)`$", docs, flags=re.MULTILINE)
+    assert listed == [point.name for point in PATCH_POINTS]
+    shims, distopt = len(cpu_shims(None, None)), len(unfused_distopt_patches())
+    words = " ".join(docs.split())
+    assert f"the {len(PATCH_POINTS)} patch points on a GPU" in words
+    assert f"the {shims} Megatron-LM shims" in words
+    assert f"the {distopt} `DistributedOptimizer` methods" in words
+    on_cpu = len(PATCH_POINTS) + shims + distopt
+    assert f"so **{on_cpu}**" in words
+    for text in (docs, (REPO_ROOT / "README.md").read_text()):
+        assert f"applied {on_cpu} Megatron-LM patches" in text
 
 
 # ----------------------------------------------------------------------------- with Megatron-LM
