@@ -28,6 +28,7 @@ from megatron_odc.integration.megatron_lm.source_hooks import (
     odc_patch_point,
     patch_point_line,
 )
+from megatron_odc.integration.megatron_lm.version import EXPECTED_SIGNATURES
 from tests._megatron_lm import MODEL_ARGS, REPO_ROOT, pretrain_gpt_losses
 
 PATCH = REPO_ROOT / "patches" / "megatron_lm_core_v0.16.1_odc.patch"
@@ -97,6 +98,8 @@ def test_hooks_wrap_with_the_launchers_wrappers(monkeypatch) -> None:
         assert wrapped.__code__ is launcher.__code__, point.name
         # a binding imported from a hooked module (initialize's parse_args) is not wrapped twice
         assert odc_patch_point(point.module, point.attr, wrapped) is wrapped
+    # and the launcher's version guard checks every patch point's signature
+    assert {(point.module, point.attr) for point in PATCH_POINTS} <= set(EXPECTED_SIGNATURES)
     with pytest.raises(ValueError, match="not an ODC patch point"):
         odc_patch_point("megatron.training.training", "train_step", lambda: None)
 
