@@ -11,8 +11,9 @@ Megatron-LM root (``$MEGATRON_LM_PATH``, else the script's directory) is appende
 (the version the guard checks, with its prebuilt dataset helpers) while ``megatron.training``,
 ``megatron.legacy`` and the script's own modules (``gpt_builders``, ``model_provider``) come from the
 checkout. Then :func:`megatron_odc.integration.megatron_lm.apply_megatron_lm_patches` is applied (with the
-CPU patches when CUDA is absent), and the script runs as ``__main__`` through ``runpy`` with
-``sys.argv = [SCRIPT, *args]``. The patches are reverted when the script returns.
+CPU patches when CUDA is absent, and then the CPU flags of ``megatron_lm.flags.CPU_FLAGS`` the user did
+not set are added to ``args``, with one log line naming them), and the script runs as ``__main__``
+through ``runpy`` with ``sys.argv = [SCRIPT, *args]``. The patches are reverted when the script returns.
 """
 
 from __future__ import annotations
@@ -61,11 +62,12 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     from megatron_odc.integration.megatron_lm import apply_megatron_lm_patches
+    from megatron_odc.integration.megatron_lm.flags import with_cpu_flags
 
     cpu = not torch.cuda.is_available()
     handle = apply_megatron_lm_patches(cpu=cpu)
     logger.info("running %s with %d patches (cpu=%s)", script, len(handle.patched), cpu)
-    sys.argv = [script, *argv[1:]]
+    sys.argv = [script, *with_cpu_flags(argv[1:], cuda=not cpu)]
     try:
         runpy.run_path(script, run_name="__main__")
     finally:

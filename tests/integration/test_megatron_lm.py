@@ -9,7 +9,8 @@ planned-count schedule (uneven and zero counts give the same step as another spl
 the TP broadcast of the count, the balanced loader through the patched factory, version refusal, and
 ``revert``, and the checkpoint overrides the factories install. The symbols that live in megatron-core are checked against the installed package here.
 
-The end-to-end run of the real ``pretrain_gpt.py`` needs ``MEGATRON_LM_PATH`` (skipped otherwise): ODC
+The end-to-end run of the real ``pretrain_gpt.py`` needs ``MEGATRON_LM_PATH`` and Megatron-LM's dependencies
+(skipped otherwise, with the reason: ``tests/_megatron_lm.py``): ODC
 with LB-Mini and megatron-core DDP must print the same losses (dropout off, same seed), and ODC's
 ``--save`` / ``--load`` resume must print the uninterrupted run's losses.
 """
@@ -18,9 +19,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import re
-import shlex
-import socket
 import subprocess
 import sys
 import textwrap
@@ -29,7 +27,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_odc.integration.megatron_lm.patching import PATCH_POINTS
 from tests._dist import run_ranks
+from tests._megatron_lm import E2E_ARGS, pretrain_gpt_losses
 
 # ----------------------------------------------------------------------------- the fake Megatron-LM
 
@@ -647,7 +647,8 @@ def test_version_refusal_and_revert(fake_results) -> None:
         assert "get_forward_backward_func" in res["refuse_signature"]
         assert res["clean_after_refusal"]
         assert all(res["restored"].values()), res["restored"]
-        assert len(res["patched"]) == 9
+        # Exactly the one list of patch points (the source patch reaches the same list).
+        assert res["patched"] == [point.name for point in PATCH_POINTS]
         assert res["cpu_shims"] == (True, "torch.cuda.FloatTensor", 1)
         assert res["cpu_reverted"] == (True, "torch.FloatTensor", True, True, True)
         assert res["distopt_patched"] == ["load_state_dict", "sharded_state_dict"]
@@ -689,58 +690,24 @@ def test_launcher_resolves_the_script(tmp_path, monkeypatch) -> None:
 
 # ----------------------------------------------------------------------------- end to end
 
-E2E_ARGS = shlex.split(
-    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
-    "--max-position-embeddings 64 --micro-batch-size 1 --global-batch-size 4 --train-iters 6 "
-    "--lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 1 --weight-decay 0.01 "
-    "--clip-grad 1.0 --seed 1234 --mock-data --tokenizer-type NullTokenizer --vocab-size 1024 "
-    "--split 99,1,0 --eval-iters 1 --eval-interval 1000 --log-interval 1 "
-    "--distributed-backend gloo --transformer-impl local --no-gradient-accumulation-fusion "
-    "--no-persist-layer-norm --no-masked-softmax-fusion --no-bias-gelu-fusion "
-    "--no-bias-dropout-fusion --num-workers 0 --use-cpu-initialization "
-    "--hidden-dropout 0 --attention-dropout 0"
-)
-_LOSS_RE = re.compile(r"iteration\s+(\d+)/.*?lm loss: ([0-9.E+-]+)")
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _pretrain_gpt_losses(
-    backend: str, tmp_path: Path, *extra: str, iterations: range = range(1, 7)
-) -> dict[int, float]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    cmd += ["--master-port", str(_free_port()), "-m", "megatron_odc.launch", "pretrain_gpt.py"]
-    cmd += [*E2E_ARGS, "--dp-backend", backend, *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-4000:]
-    losses = {int(i): float(v) for i, v in _LOSS_RE.findall(log)}
-    assert sorted(losses) == list(iterations), log[-4000:]
-    return losses
-
-
-@pytest.mark.skipif(not os.environ.get("MEGATRON_LM_PATH"), reason="needs MEGATRON_LM_PATH")
+@pytest.mark.usefixtures("megatron_lm_path")
 @pytest.mark.timeout(600)
 def test_pretrain_gpt_end_to_end_odc_equals_ddp(tmp_path) -> None:
-    odc = _pretrain_gpt_losses("odc", tmp_path)
-    ddp = _pretrain_gpt_losses("ddp", tmp_path)
+    odc = pretrain_gpt_losses("odc", tmp_path)
+    ddp = pretrain_gpt_losses("ddp", tmp_path)
     for it, loss in ddp.items():
         assert odc[it] == pytest.approx(loss, rel=1e-5), (it, odc, ddp)
     assert ddp[1] != ddp[6]  # training moved
 
 
-@pytest.mark.skipif(not os.environ.get("MEGATRON_LM_PATH"), reason="needs MEGATRON_LM_PATH")
+@pytest.mark.usefixtures("megatron_lm_path")
 @pytest.mark.timeout(600)
 def test_pretrain_gpt_save_and_resume_odc(tmp_path) -> None:
     """Megatron-LM's own --save at iteration 3 and --load resume to 6 equal the uninterrupted run."""
     ckpt = str(tmp_path / "ckpt")
-    full = _pretrain_gpt_losses("odc", tmp_path)
-    _pretrain_gpt_losses(
+    full = pretrain_gpt_losses("odc", tmp_path)
+    pretrain_gpt_losses(
         "odc",
         tmp_path,
         "--save",
@@ -751,7 +718,7 @@ def test_pretrain_gpt_save_and_resume_odc(tmp_path) -> None:
         "3",
         iterations=range(1, 4),
     )
-    resumed = _pretrain_gpt_losses("odc", tmp_path, "--load", ckpt, iterations=range(4, 7))
+    resumed = pretrain_gpt_losses("odc", tmp_path, "--load", ckpt, iterations=range(4, 7))
     assert resumed[4] == pytest.approx(full[4], rel=1e-6), (resumed, full)
     # Megatron-LM does not reset its loss average after a run's first logged iteration, so the
     # second one prints the mean of both (the uninterrupted run's iteration 2 does the same).
@@ -759,7 +726,7 @@ def test_pretrain_gpt_save_and_resume_odc(tmp_path) -> None:
     assert resumed[6] == pytest.approx(full[6], rel=1e-6), (resumed, full)
 
 
-@pytest.mark.skipif(not os.environ.get("MEGATRON_LM_PATH"), reason="needs MEGATRON_LM_PATH")
+@pytest.mark.usefixtures("megatron_lm_path")
 @pytest.mark.timeout(600)
 def test_pretrain_gpt_odc_checkpoint_resumes_under_distopt(tmp_path) -> None:
     """An ODC checkpoint saved by Megatron-LM at iteration 3 resumes (optimizer state included) under
@@ -767,10 +734,10 @@ def test_pretrain_gpt_odc_checkpoint_resumes_under_distopt(tmp_path) -> None:
     content metadata naming ODC's format and megatron-core's distopt load over torch's Adam
     (``mcore/cpu_optimizers.py``); a restart from zero Adam moments misses iteration 6 by ~1e-2."""
     ckpt = str(tmp_path / "ckpt")
-    full = _pretrain_gpt_losses("distopt", tmp_path)
+    full = pretrain_gpt_losses("distopt", tmp_path)
     save = ["--save", ckpt, "--save-interval", "3", "--exit-interval", "3"]
-    _pretrain_gpt_losses("odc", tmp_path, *save, iterations=range(1, 4))
-    resumed = _pretrain_gpt_losses("distopt", tmp_path, "--load", ckpt, iterations=range(4, 7))
+    pretrain_gpt_losses("odc", tmp_path, *save, iterations=range(1, 4))
+    resumed = pretrain_gpt_losses("distopt", tmp_path, "--load", ckpt, iterations=range(4, 7))
     assert resumed[4] == pytest.approx(full[4], rel=1e-5), (resumed, full)
     # The second logged iteration prints the mean of both (see test_pretrain_gpt_save_and_resume_odc).
     assert resumed[5] == pytest.approx((full[4] + full[5]) / 2, rel=1e-5), (resumed, full)
@@ -798,7 +765,7 @@ print(json.dumps({"fp8_param": config.fp8_param, "fp8": config.fp8, "flag": args
 """
 
 
-@pytest.mark.skipif(not os.environ.get("MEGATRON_LM_PATH"), reason="needs MEGATRON_LM_PATH")
+@pytest.mark.usefixtures("megatron_lm_path")
 @pytest.mark.parametrize("backend", ["odc", "fsdp", "ddp"])
 def test_real_validate_args_lets_fp8_params_through_for_the_odc_engine(backend, tmp_path) -> None:
     """Megatron-LM's own validate_args: FP8 parameters reach the model config under odc/fsdp only."""

@@ -2,10 +2,11 @@
 
 Split by job:
 
-- ``patching``: :func:`apply_megatron_lm_patches` and the handle that reverts them (the list of patched
-  names is in its docstring);
+- ``patching``: ``PATCH_POINTS`` (the one list of replaced names), :func:`apply_megatron_lm_patches`
+  and the handle that reverts them;
+- ``source_hooks``: what a patched Megatron-LM source calls at the same points (``patches/``);
 - ``version``: the Megatron-LM the patches are written for, checked before patching;
-- ``flags``: ODC's flags in Megatron-LM's parser and what ``--dp-backend`` sets or refuses;
+- ``flags``: ODC's flags in Megatron-LM's parser, what ``--dp-backend`` sets or refuses, the CPU flags;
 - ``builders``: the ``ODCDataParallel`` wrapper and the ODC optimizer where Megatron-LM builds its own;
 - ``schedule``: each DP replica's planned microbatch count, including 0;
 - ``data``: the length-balanced loader of the train split;

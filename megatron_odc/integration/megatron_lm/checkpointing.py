@@ -93,4 +93,5 @@ def wrap_build_sharded_state_dict_metadata(original: Callable[..., dict]) -> Cal
             metadata["distrib_optim_sharding_type"] = OPTIMIZER_SHARDING_TYPE
         return metadata
 
+    build.__megatron_odc_original__ = original
     return build

@@ -6,7 +6,8 @@
 Megatron-LM's own distributed optimizer and overlap options off, resolves ``--balance`` for Megatron-LM's
 fixed ``[micro_batch_size, seq_length]`` microbatches and refuses what does not combine; for ``ddp`` /
 ``distopt`` it sets Megatron-LM's own flags. :func:`wrap_parse_args` / :func:`wrap_validate_args` are
-the two patches that apply them.
+the two patches that apply them. :data:`CPU_FLAGS` are the flags Megatron-LM needs without CUDA, which
+:func:`with_cpu_flags` adds where the user did not set them.
 """
 
 from __future__ import annotations
@@ -27,6 +28,35 @@ logger = logging.getLogger(__name__)
 
 BALANCE_CHOICES = (*PLAN_KINDS, MEGATRON_SAMPLER)
 """``--balance`` here: a plan kind, or ``none`` to keep Megatron-LM's own sampler."""
+
+CPU_FLAGS: tuple[tuple[str, ...], ...] = (
+    ("--distributed-backend", "gloo"),
+    ("--transformer-impl", "local"),
+    ("--no-gradient-accumulation-fusion",),
+    ("--no-persist-layer-norm",),
+    ("--no-masked-softmax-fusion",),
+    ("--no-bias-gelu-fusion",),
+    ("--no-bias-dropout-fusion",),
+    ("--num-workers", "0"),
+    ("--use-cpu-initialization",),
+)
+"""Megatron-LM's flags for a run without CUDA (gloo, torch layers, no fused kernels, no worker
+processes, weights initialised on the CPU), each as its command-line words."""
+
+
+def with_cpu_flags(argv: list[str], *, cuda: bool) -> list[str]:
+    """``argv`` plus every :data:`CPU_FLAGS` entry the user did not set, without CUDA; logs them.
+
+    A flag counts as set when ``argv`` holds it as ``--flag`` or ``--flag=value``, whatever its value:
+    the user's choice wins. With ``cuda`` nothing is added.
+    """
+    if cuda:
+        return list(argv)
+    given = {arg.split("=", 1)[0] for arg in argv if arg.startswith("--")}
+    added = [word for flag in CPU_FLAGS if flag[0] not in given for word in flag]
+    if added:
+        logger.info("no CUDA: added Megatron-LM's CPU flags %s", " ".join(added))
+    return [*argv, *added]
 
 
 def add_odc_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

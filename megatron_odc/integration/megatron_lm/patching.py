@@ -1,24 +1,33 @@
 """Apply and revert the Megatron-LM patches: one handle that puts every replaced attribute back.
 
-:func:`apply_megatron_lm_patches` checks the installed Megatron-LM (``version.py``), then replaces, in
-``megatron.training`` (explicit and reversible; nothing happens on import):
+:data:`PATCH_POINTS` is the one list of the names of ``megatron.training`` that ODC replaces (tag
+``core_v0.16.1``), each with the wrapper that builds its replacement from the original:
 
 1. ``arguments.parse_args`` and its binding in ``initialize``: ODC's flags and their policy
    (``flags.py``); ``validate_args`` (both bindings): ``--fp8-param-gather`` for ODC's engine;
 2. ``training.get_model``: ODC chunks wrapped in ``ODCDataParallel`` (``builders.py``);
 3. ``training.get_megatron_optimizer``: the ODC optimizer for ODC chunks (``builders.py``);
 4. ``training.get_forward_backward_func``: each rank's planned microbatch count (``schedule.py``);
-5. ``training.build_pretraining_data_loader``: the length-balanced train loader (``data.py``).
+5. ``training.build_pretraining_data_loader``: the length-balanced train loader (``data.py``);
+6. ``checkpointing._build_sharded_state_dict_metadata``: ODC's optimizer format in the metadata
+   (``checkpointing.py``).
 
-With ``cpu=True`` (no CUDA) it also applies megatron-core's CPU runtime (``integration/cpu.py``) and the
-Megatron-LM-only shims (``cpu_shims.py``).
+:func:`apply_megatron_lm_patches` (the launcher) checks the installed Megatron-LM (``version.py``) and
+replaces every patch point at runtime (explicit and reversible; nothing happens on import). A patched
+Megatron-LM source (``patches/``) binds the same wrappers where the names are defined, through
+``source_hooks.py``. With ``cpu=True`` (no CUDA) the launcher also applies megatron-core's CPU runtime
+(``integration/cpu.py``) and the Megatron-LM-only shims (``cpu_shims.py``):
+:func:`apply_megatron_lm_cpu_patches` alone, which the patched source calls too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import logging
+from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 from megatron_odc.integration.cpu import apply_cpu_patches
@@ -39,6 +48,56 @@ from megatron_odc.mcore.cpu_optimizers import cuda_type_names, unfused_distopt_p
 logger = logging.getLogger(__name__)
 
 _MISSING = object()
+
+
+def _of_original(
+    wrap: Callable[[Callable], Callable],
+) -> Callable[[Callable, ModuleType], Callable]:
+    return lambda original, owner: wrap(original)
+
+
+@dataclasses.dataclass(frozen=True)
+class PatchPoint:
+    """One name ODC replaces: ``module.attr`` becomes ``wrap(original, module)``."""
+
+    module: str
+    attr: str
+    wrap: Callable[[Callable, ModuleType], Callable]
+
+    @property
+    def name(self) -> str:
+        """``"module.attr"``."""
+        return f"{self.module}.{self.attr}"
+
+
+PATCH_POINTS: tuple[PatchPoint, ...] = (
+    PatchPoint("megatron.training.arguments", "parse_args", _of_original(wrap_parse_args)),
+    PatchPoint("megatron.training.initialize", "parse_args", _of_original(wrap_parse_args)),
+    PatchPoint("megatron.training.arguments", "validate_args", _of_original(wrap_validate_args)),
+    PatchPoint("megatron.training.initialize", "validate_args", _of_original(wrap_validate_args)),
+    PatchPoint("megatron.training.training", "get_model", wrap_get_model),
+    PatchPoint(
+        "megatron.training.training",
+        "get_megatron_optimizer",
+        _of_original(wrap_get_megatron_optimizer),
+    ),
+    PatchPoint(
+        "megatron.training.training",
+        "get_forward_backward_func",
+        _of_original(wrap_get_forward_backward_func),
+    ),
+    PatchPoint(
+        "megatron.training.training",
+        "build_pretraining_data_loader",
+        _of_original(wrap_build_pretraining_data_loader),
+    ),
+    PatchPoint(
+        "megatron.training.checkpointing",
+        "_build_sharded_state_dict_metadata",
+        _of_original(wrap_build_sharded_state_dict_metadata),
+    ),
+)
+"""Every Megatron-LM name the launcher replaces and a patched source wraps, in patch order."""
 
 
 class MegatronLmPatches:
@@ -89,12 +148,42 @@ class MegatronLmPatches:
         self.revert()
 
 
+def _apply_cpu_patches(handle: MegatronLmPatches) -> None:
+    initialize = importlib.import_module("megatron.training.initialize")
+    training = importlib.import_module("megatron.training.training")
+    handle.cpu_patches = apply_cpu_patches()
+    # Megatron's own optimizers (the ddp / distopt baselines) check param.type() at
+    # construction and in every clip: the whole run is the scope here.
+    handle._scoped.enter_context(cuda_type_names())
+    for owner, attr, value in cpu_shims(initialize, training):
+        handle._patch(owner, attr, value)
+    # distopt's checkpoint load over torch's Adam (no TE / Apex), as in the plugin's entry.
+    for owner, attr, value in unfused_distopt_patches():
+        handle._patch(owner, attr, value)
+
+
+def apply_megatron_lm_cpu_patches() -> MegatronLmPatches:
+    """Only the CPU part of ``apply_megatron_lm_patches(cpu=True)`` (see its ``cpu`` argument).
+
+    Returns:
+        A handle whose ``revert()`` restores everything.
+    """
+    handle = MegatronLmPatches()
+    handle._active = True
+    try:
+        _apply_cpu_patches(handle)
+    except BaseException:
+        handle.revert()
+        raise
+    return handle
+
+
 def apply_megatron_lm_patches(*, cpu: bool = False) -> MegatronLmPatches:
-    """Install the patches of the module docstring into an importable ``megatron.training``.
+    """Replace every :data:`PATCH_POINTS` name in an importable ``megatron.training``.
 
     Args:
-        cpu: also apply the CPU patches and Megatron-LM's CPU shims (``torch.cuda.is_available`` ->
-            True, ``device_count`` -> 1, streams and ``set_device`` no-ops, fused-kernel loading and
+        cpu: first apply :func:`apply_megatron_lm_cpu_patches`' patches (``torch.cuda.is_available``
+            -> True, ``device_count`` -> 1, streams and ``set_device`` no-ops, fused-kernel loading and
             JIT fusion setup skipped, ``Tensor.type()`` reporting CUDA names until ``revert``).
 
     Returns:
@@ -104,50 +193,14 @@ def apply_megatron_lm_patches(*, cpu: bool = False) -> MegatronLmPatches:
         ValueError: not Megatron-LM ``core_v0.16.1`` (see :func:`check_megatron_lm_version`).
     """
     check_megatron_lm_version()
-    arguments = importlib.import_module("megatron.training.arguments")
-    initialize = importlib.import_module("megatron.training.initialize")
-    training = importlib.import_module("megatron.training.training")
     handle = MegatronLmPatches()
     handle._active = True
     try:
         if cpu:
-            handle.cpu_patches = apply_cpu_patches()
-            # Megatron's own optimizers (the ddp / distopt baselines) check param.type() at
-            # construction and in every clip: the whole run is the scope here.
-            handle._scoped.enter_context(cuda_type_names())
-            for owner, attr, value in cpu_shims(initialize, training):
-                handle._patch(owner, attr, value)
-            # distopt's checkpoint load over torch's Adam (no TE / Apex), as in the plugin's entry.
-            for owner, attr, value in unfused_distopt_patches():
-                handle._patch(owner, attr, value)
-        handle._patch(arguments, "parse_args", wrap_parse_args(arguments.parse_args))
-        handle._patch(initialize, "parse_args", wrap_parse_args(initialize.parse_args))
-        handle._patch(arguments, "validate_args", wrap_validate_args(arguments.validate_args))
-        handle._patch(initialize, "validate_args", wrap_validate_args(initialize.validate_args))
-        handle._patch(training, "get_model", wrap_get_model(training.get_model, training))
-        handle._patch(
-            training,
-            "get_megatron_optimizer",
-            wrap_get_megatron_optimizer(training.get_megatron_optimizer),
-        )
-        handle._patch(
-            training,
-            "get_forward_backward_func",
-            wrap_get_forward_backward_func(training.get_forward_backward_func),
-        )
-        handle._patch(
-            training,
-            "build_pretraining_data_loader",
-            wrap_build_pretraining_data_loader(training.build_pretraining_data_loader),
-        )
-        checkpointing = importlib.import_module("megatron.training.checkpointing")
-        handle._patch(
-            checkpointing,
-            "_build_sharded_state_dict_metadata",
-            wrap_build_sharded_state_dict_metadata(
-                checkpointing._build_sharded_state_dict_metadata
-            ),
-        )
+            _apply_cpu_patches(handle)
+        for point in PATCH_POINTS:
+            owner = importlib.import_module(point.module)
+            handle._patch(owner, point.attr, point.wrap(getattr(owner, point.attr), owner))
     except BaseException:
         handle.revert()
         raise

@@ -87,7 +87,7 @@ def check_megatron_lm_version() -> str:
             raise ImportError(
                 f"cannot import {module_name} ({exc}): put the Megatron-LM checkout on sys.path "
                 "(MEGATRON_LM_PATH with megatron_odc.launch) and install its own dependencies "
-                "(docs/megatron_lm.md)"
+                "(pip install -e .[megatron-lm])"
             ) from exc
         obj = getattr(owner, attr, _MISSING)
         if obj is _MISSING:

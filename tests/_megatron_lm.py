@@ -1,0 +1,113 @@
+"""Megatron-LM end-to-end helpers: whether a real ``core_v0.16.1`` tree can run here, and its losses.
+
+:func:`megatron_lm_skip_reason` says why the ``MEGATRON_LM_PATH`` tests cannot run (no path, or an import
+of what ``pretrain_gpt.py`` needs fails, e.g. a Megatron-LM dependency that ``pip install -e
+.[megatron-lm]`` brings); the ``megatron_lm_path`` fixture (``tests/integration/conftest.py``) skips with
+it. :func:`pretrain_gpt_losses` runs ``pretrain_gpt.py`` on 2 CPU ranks, through the launcher or as a
+patched tree's own script, and returns the printed losses.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from megatron_odc.integration.megatron_lm.flags import CPU_FLAGS
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MEGATRON_LM_PATH_ENV = "MEGATRON_LM_PATH"
+
+MODEL_ARGS = tuple(
+    shlex.split(
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
+        "--max-position-embeddings 64 --micro-batch-size 1 --global-batch-size 4 --train-iters 6 "
+        "--lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 1 --weight-decay 0.01 "
+        "--clip-grad 1.0 --seed 1234 --mock-data --tokenizer-type NullTokenizer --vocab-size 1024 "
+        "--split 99,1,0 --eval-iters 1 --eval-interval 1000 --log-interval 1 "
+        "--hidden-dropout 0 --attention-dropout 0"
+    )
+)
+"""A tiny GPT on mock data, dropout off (runs with other sample-to-rank splits stay comparable)."""
+E2E_ARGS = (*MODEL_ARGS, *(word for flag in CPU_FLAGS for word in flag))
+""":data:`MODEL_ARGS` with Megatron-LM's CPU flags spelled out."""
+
+_LOSS_RE = re.compile(r"iteration\s+(\d+)/.*?lm loss: ([0-9.E+-]+)")
+
+_IMPORT_CHECK = """
+import importlib.util, sys
+sys.path.append(sys.argv[1])  # as the launcher does: megatron.core stays the installed one
+spec = importlib.util.spec_from_file_location("pretrain_gpt_imports", sys.argv[1] + "/pretrain_gpt.py")
+spec.loader.exec_module(importlib.util.module_from_spec(spec))
+"""
+
+
+@functools.cache
+def megatron_lm_skip_reason() -> str | None:
+    """Why the real Megatron-LM cannot run here, or None when it can (checked once per session)."""
+    path = os.environ.get(MEGATRON_LM_PATH_ENV)
+    if not path:
+        return f"needs {MEGATRON_LM_PATH_ENV} (a Megatron-LM core_v0.16.1 tree)"
+    if not (Path(path) / "pretrain_gpt.py").is_file():
+        return f"{MEGATRON_LM_PATH_ENV}={path} holds no pretrain_gpt.py"
+    proc = subprocess.run(
+        [sys.executable, "-c", _IMPORT_CHECK, str(Path(path).resolve())],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return (
+            f"pretrain_gpt.py's imports fail ({last}): install Megatron-LM's dependencies "
+            "with pip install -e .[megatron-lm]"
+        )
+    return None
+
+
+def _env() -> dict[str, str]:
+    # The children import this checkout's megatron_odc, whatever is installed.
+    path = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+    return {
+        **os.environ,
+        "PYTHONPATH": path,
+        "OMP_NUM_THREADS": "1",
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def pretrain_gpt_losses(
+    backend: str,
+    cwd: Path,
+    *extra: str,
+    iterations: range = range(1, 7),
+    args: tuple[str, ...] = E2E_ARGS,
+    script: Path | None = None,
+) -> dict[int, float]:
+    """``{iteration: lm loss}`` of a 2-rank CPU run of ``pretrain_gpt.py --dp-backend backend``.
+
+    Through ``python -m megatron_odc.launch`` by default; ``script`` runs that file itself instead
+    (a patched Megatron-LM tree's, without the launcher).
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    cmd += ["--master-port", str(_free_port())]
+    cmd += [str(script)] if script else ["-m", "megatron_odc.launch", "pretrain_gpt.py"]
+    cmd += [*args, "--dp-backend", backend, *extra]
+    proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=300)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    losses = {int(i): float(v) for i, v in _LOSS_RE.findall(log)}
+    assert sorted(losses) == list(iterations), log[-4000:]
+    return losses
