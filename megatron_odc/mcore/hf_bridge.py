@@ -214,7 +214,9 @@ def load_hf_weights(gpt: torch.nn.Module, hf_dir: str | os.PathLike) -> None:
 
     on_disk = set(SafeTensorIO(path).load_hf_weight_names())
     global_names = bridge._weight_name_mapping_mcore_local_to_global(gpt)
-    taken = {n for name in global_names.values() for n in bridge._weight_name_mapping_mcore_to_hf(name)}
+    taken = {
+        n for name in global_names.values() for n in bridge._weight_name_mapping_mcore_to_hf(name)
+    }
     unused = sorted(n for n in on_disk - taken if not n.endswith("rotary_emb.inv_freq"))
     if unused:
         raise ValueError(

@@ -49,7 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     model = parser.add_argument_group("model (Megatron-LM flags)")
-    model.add_argument("--num-layers", type=int, default=None, help="transformer layers (default 2)")
+    model.add_argument(
+        "--num-layers", type=int, default=None, help="transformer layers (default 2)"
+    )
     model.add_argument("--hidden-size", type=int, default=None, help="model width (default 64)")
     model.add_argument(
         "--ffn-hidden-size", type=int, default=None, help="MLP width (default 4 * hidden size)"

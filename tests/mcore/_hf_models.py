@@ -11,10 +11,28 @@ import json
 import random
 from pathlib import Path
 
-WORDS = (
-    "the model reads a long document and answers questions about it quickly while "
-    "we check every number twice before lunch"
-).split()
+WORDS = [
+    "the",
+    "model",
+    "reads",
+    "a",
+    "long",
+    "document",
+    "and",
+    "answers",
+    "questions",
+    "about",
+    "it",
+    "quickly",
+    "while",
+    "we",
+    "check",
+    "every",
+    "number",
+    "twice",
+    "before",
+    "lunch",
+]
 SPECIAL = ["<unk>", "<s>", "</s>", "<pad>", "<|", "|>", "system", "user", "assistant"]
 VOCAB_SIZE = 61
 """The HF config's vocabulary (the tokenizer uses the first ``len(SPECIAL) + len(WORDS)`` ids)."""
@@ -40,24 +58,25 @@ def write_tokenizer(path: Path) -> None:
 
 
 def write_tiny_model(path: Path, arch: str, *, seed: int = 0) -> Path:
-    """A random ``arch`` model ("llama": untied embeddings; "qwen2": tied, QKV bias) saved to ``path``."""
+    """A random ``arch`` model saved to ``path``: "llama" (untied embeddings), "qwen2" (tied, QKV
+    bias) or "qwen3" (tied, QK norms, head width 12)."""
     import torch
     import transformers
 
-    shape = dict(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=48,
-        intermediate_size=80,
-        num_hidden_layers=2,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-6,
-        rope_theta=5000.0,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=3,
-    )
+    shape = {
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 48,
+        "intermediate_size": 80,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 128,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 5000.0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 3,
+    }
     torch.manual_seed(seed)
     if arch == "llama":
         config = transformers.LlamaConfig(tie_word_embeddings=False, **shape)
@@ -67,8 +86,19 @@ def write_tiny_model(path: Path, arch: str, *, seed: int = 0) -> Path:
         model = transformers.Qwen2ForCausalLM(config)
         with torch.no_grad():  # a random init leaves the QKV biases at zero: make them count
             for layer in model.model.layers:
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                for proj in (
+                    layer.self_attn.q_proj,
+                    layer.self_attn.k_proj,
+                    layer.self_attn.v_proj,
+                ):
                     proj.bias.normal_(0.0, 0.5)
+    elif arch == "qwen3":  # QK norms, and a head width (12) that is not hidden / heads (8)
+        config = transformers.Qwen3Config(tie_word_embeddings=True, head_dim=12, **shape)
+        model = transformers.Qwen3ForCausalLM(config)
+        with torch.no_grad():  # a random init leaves the norms at one: make them count
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+                layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
     else:
         raise ValueError(arch)
     model.save_pretrained(str(path))

@@ -1,7 +1,7 @@
 """Hugging Face models in and out (``mcore/hf_bridge.py``, ``--load-hf`` / ``--save-hf``), against transformers.
 
-Tiny random Llama (untied embeddings) and Qwen2 (tied embeddings, QKV bias) models made offline
-(``_hf_models.py``), fp32, on 2 spawned CPU ranks:
+Tiny random Llama (untied embeddings), Qwen2 (tied embeddings, QKV bias) and Qwen3 (QK norms, a head
+width that is not hidden / heads) models made offline (``_hf_models.py``), fp32, on 2 spawned CPU ranks:
 
 - loaded at TP=1 and TP=2 (the vocabulary padded from 61 to 62), the megatron GPT's logits equal
   transformers' forward to 1e-5; exported at that TP size, transformers reloads the export and its
@@ -34,7 +34,7 @@ TOKENS = [[5, 9, 17, 33, 2, 40, 12, 60, 7, 21, 30, 11, 44, 18, 9]]
 @pytest.fixture(scope="module")
 def hf_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf")
-    return {arch: write_tiny_model(root / arch, arch) for arch in ("llama", "qwen2")}
+    return {arch: write_tiny_model(root / arch, arch) for arch in ("llama", "qwen2", "qwen3")}
 
 
 def _hf_logits(hf_dir: str):
@@ -100,10 +100,21 @@ def _round_trips(
             argv = [
                 *["--load-hf", models[arch], "--save-hf", trained, "--dp-backend", "odc"],
                 *["--sft", "--data-path", data, "--train-iters", "4", "--global-batch-size", "8"],
-                *["--seq-length", "64", "--lr", "3e-3", "--lr-warmup-iters", "0", "--log-interval", "1"],
+                *[
+                    "--seq-length",
+                    "64",
+                    "--lr",
+                    "3e-3",
+                    "--lr-warmup-iters",
+                    "0",
+                    "--log-interval",
+                    "1",
+                ],
                 *["--tensor-model-parallel-size", str(tp)],
             ]
-            out[arch, "losses"] = run(validate_args(build_parser().parse_args(argv), world_size=2)).losses
+            out[arch, "losses"] = run(
+                validate_args(build_parser().parse_args(argv), world_size=2)
+            ).losses
             logits = _megatron_logits(trained, tp)
             out[arch, "trained export"] = _max_diff(_hf_logits(trained), logits)
             out[arch, "trained vs start"] = _max_diff(logits, _hf_logits(models[arch]))
@@ -119,14 +130,16 @@ def test_hf_models_round_trip_through_megatron_and_odc_training(hf_models, tmp_p
         for tp in (1, 2):
             assert out[arch, tp, "load"] < TOLERANCE, (arch, tp, out[arch, tp, "load"])
             assert out[arch, tp, "export"] < TOLERANCE, (arch, tp, out[arch, tp, "export"])
+    for arch in ("llama", "qwen2"):
         losses = [out[arch, "losses"][it] for it in sorted(out[arch, "losses"])]
-        assert len(losses) == 4 and all(math.isfinite(x) for x in losses), losses
+        assert len(losses) == 4, losses
+        assert all(math.isfinite(x) for x in losses), losses
         assert losses[-1] < losses[0], (arch, losses)
         assert out[arch, "trained export"] < TOLERANCE, (arch, out[arch, "trained export"])
         assert out[arch, "trained vs start"] > 1e-3, "the export holds the start's weights"
     assert results[1][("llama", "losses")] == out["llama", "losses"]
     written = sorted(p.name for p in (tmp_path / "llama-trained").iterdir())
-    assert "model.safetensors" in written and "tokenizer.json" in written, written
+    assert {"model.safetensors", "tokenizer.json", "config.json"} <= set(written), written
 
 
 @pytest.mark.parametrize(
