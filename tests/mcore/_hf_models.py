@@ -11,28 +11,7 @@ import json
 import random
 from pathlib import Path
 
-WORDS = [
-    "the",
-    "model",
-    "reads",
-    "a",
-    "long",
-    "document",
-    "and",
-    "answers",
-    "questions",
-    "about",
-    "it",
-    "quickly",
-    "while",
-    "we",
-    "check",
-    "every",
-    "number",
-    "twice",
-    "before",
-    "lunch",
-]
+WORDS = ["cats", "sit", "on", "warm", "mats", "while", "dogs", "run", "far", "from", "home"]
 SPECIAL = ["<unk>", "<s>", "</s>", "<pad>", "<|", "|>", "system", "user", "assistant"]
 VOCAB_SIZE = 61
 """The HF config's vocabulary (the tokenizer uses the first ``len(SPECIAL) + len(WORDS)`` ids)."""
