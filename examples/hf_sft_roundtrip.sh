@@ -2,7 +2,7 @@
 # Hugging Face model -> ODC SFT on a JSONL file -> Hugging Face model
 # Shows: --load-hf (GPT shape, weights and tokenizer from an HF dir), ODC SFT on 2 ranks, --save-hf and python -m megatron_odc.hf export, transformers reloading both
 # Needs: cpu
-# Takes: about 90 s on 2 CPU cores (EXAMPLE_TINY=1: about 60 s)
+# Takes: about 60 s on 2 CPU cores (EXAMPLE_TINY=1: about 55 s)
 set -euo pipefail
 
 # HF_MODEL_DIR: a local Hugging Face model directory (Llama, Qwen2 or Qwen3; nothing is downloaded).

@@ -646,6 +646,12 @@ def _check_checkpointing(args: argparse.Namespace) -> None:
         raise ValueError(
             "--save-hf needs --load-hf DIR: the saved model's config and tokenizer come from it"
         )
+    if args.save_hf is not None and os.path.realpath(args.save_hf) == os.path.realpath(
+        args.load_hf
+    ):
+        raise ValueError(
+            f"--save-hf {args.save_hf} is the --load-hf directory; it would be replaced: pass another"
+        )
     if args.finetune and args.load is None:
         raise ValueError("--finetune needs --load DIR")
     for flag, path in (("--save", args.save), ("--load", args.load), ("--save-hf", args.save_hf)):

@@ -171,6 +171,9 @@ def test_load_hf_fills_the_model_flags_and_the_tokenizer(hf_models):
     assert (args.tokenizer_type, args.tokenizer_model) == ("HuggingFaceTokenizer", hf_dir)
 
 
-def test_save_hf_needs_load_hf(tmp_path):
+def test_save_hf_needs_another_directory_than_load_hf(hf_models, tmp_path):
     with pytest.raises(ValueError, match="--save-hf needs --load-hf"):
         validate_args(build_parser().parse_args(["--save-hf", str(tmp_path)]), world_size=1)
+    same = ["--load-hf", str(hf_models["llama"]), "--save-hf", str(hf_models["llama"])]
+    with pytest.raises(ValueError, match="is the --load-hf directory"):
+        validate_args(build_parser().parse_args(same), world_size=1)
