@@ -205,14 +205,33 @@ def _check_tensorboard(out: str, outdir: Path) -> None:
     assert list((outdir / "tensorboard").glob("events.out.tfevents.*"))
 
 
+def _check_hf_roundtrip(out: str, outdir: Path) -> None:
+    del outdir
+    line = _verification(out, "round trip OK:")
+    assert _number(line, "differ by") < 1e-5, line
+    assert _number(line, "moved the logits by") > 1e-3, line
+
+
+def _check_megatron_lm(out: str, outdir: Path) -> None:
+    odc, ddp = _logged_losses(outdir / "odc.log"), _logged_losses(outdir / "ddp.log")
+    assert odc, f"no lm loss in {outdir / 'odc.log'}"
+    assert sorted(odc) == sorted(ddp), (odc, ddp)
+    for it in odc:
+        assert odc[it] == pytest.approx(ddp[it], rel=1e-5), (it, odc[it], ddp[it])
+    _verification(out, "odc and ddp printed the same losses")
+
+
 CHECKS: dict[str, Callable[[str, Path], None]] = {
     "quickstart_cpu": _check_quickstart,
     "pretrain_distopt_finetune_odc": _check_pretrain_finetune,
     "tensorboard_cpu": _check_tensorboard,
+    "hf_sft_roundtrip": _check_hf_roundtrip,
+    "megatron_lm_pretrain_gpt_cpu": _check_megatron_lm,
 }
 """Example -> the check of its verification line and logs (``out``, ``EXAMPLE_DIR``)."""
-SLOW = {"pretrain_distopt_finetune_odc"}
-"""Examples longer than 30 s at their tiny size (a torch_dist save, 4 ranks on 2 cores): --runslow."""
+SLOW = {"pretrain_distopt_finetune_odc", "hf_sft_roundtrip"}
+"""Examples longer than 30 s at their tiny size (a torch_dist save, 4 ranks on 2 cores; the HF round
+trip, whose parts tests/mcore/test_hf_bridge.py covers in CI): --runslow."""
 
 
 def _check_generic(out: str, outdir: Path) -> None:

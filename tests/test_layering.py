@@ -42,6 +42,10 @@ THIRD_PARTY: dict[str, tuple[str, ...]] = {
     # A file format (numpy memory maps; no process group, no model): preprocessed SFT data in data/.
     "megatron.core.datasets.indexed_dataset": ("data", "mcore", "integration"),
     "megatron.core": ("mcore", "integration"),
+    # Hugging Face models in and out (mcore/hf_bridge.py); data/tokenizer.py loads HF tokenizers.
+    "mbridge": ("mcore",),
+    "safetensors": ("mcore",),
+    "transformers": ("mcore", "data"),
     "megatron": ("mcore", "integration"),
 }
 """Third-party packages only some layers may import (the first matching prefix decides)."""

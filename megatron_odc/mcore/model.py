@@ -51,6 +51,12 @@ class GPTConfig:
         attention_dropout: dropout of attention probabilities.
         swiglu: gated SiLU MLP (fc1 holds [gate; up], TP-split with stride 2).
         add_bias_linear: biases on the linear layers.
+        num_query_groups: key/value heads (grouped-query attention); None means num_attention_heads.
+        kv_channels: width of one attention head; None means hidden_size / num_attention_heads.
+        norm_epsilon: epsilon of the LayerNorm / RMSNorm layers.
+        rotary_base: base of the rotary position embedding (RoPE theta).
+        add_qkv_bias: biases on the query/key/value projection even without add_bias_linear (Qwen2).
+        qk_layernorm: a norm on each query and key head (Qwen3).
     """
 
     num_layers: int = 2
@@ -72,6 +78,12 @@ class GPTConfig:
     attention_dropout: float = 0.0
     swiglu: bool = False
     add_bias_linear: bool = True
+    num_query_groups: int | None = None
+    kv_channels: int | None = None
+    norm_epsilon: float = 1e-5
+    rotary_base: float = 10000.0
+    add_qkv_bias: bool = False
+    qk_layernorm: bool = False
 
     @classmethod
     def from_args(cls, args: Any, *, vocab_size: int) -> GPTConfig:
@@ -80,7 +92,8 @@ class GPTConfig:
         Fields named like an attribute of ``args`` are copied; the others follow Megatron-LM's flags:
         ``seq_length`` is ``--max-position-embeddings``, ``params_dtype`` follows ``--bf16`` /
         ``--fp16``, ``share_embeddings_and_output_weights`` is ``not --untie-embeddings-and-output-
-        weights`` and ``add_bias_linear`` is ``not --disable-bias-linear``.
+        weights``, ``add_bias_linear`` is ``not --disable-bias-linear`` and ``num_query_groups`` is
+        ``--num-query-groups`` under ``--group-query-attention``.
         """
         values = {
             f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)
@@ -93,6 +106,7 @@ class GPTConfig:
                 "params_dtype": params_dtype(bf16=args.bf16, fp16=args.fp16),
                 "share_embeddings_and_output_weights": not args.untie_embeddings_and_output_weights,
                 "add_bias_linear": not args.disable_bias_linear,
+                "num_query_groups": args.num_query_groups if args.group_query_attention else None,
             }
         )
 
@@ -107,6 +121,12 @@ def transformer_config(cfg: GPTConfig) -> TransformerConfig:
     if cfg.num_attention_heads % tp_size:
         raise ValueError(
             f"num_attention_heads={cfg.num_attention_heads} is not divisible by TP size {tp_size}"
+        )
+    query_groups = cfg.num_query_groups or cfg.num_attention_heads
+    if cfg.num_attention_heads % query_groups or query_groups % tp_size:
+        raise ValueError(
+            f"num_query_groups={query_groups} must divide num_attention_heads="
+            f"{cfg.num_attention_heads} and be divisible by TP size {tp_size}"
         )
     if cfg.vocab_size % tp_size:
         raise ValueError(f"vocab_size={cfg.vocab_size} is not divisible by TP size {tp_size}")
@@ -131,6 +151,11 @@ def transformer_config(cfg: GPTConfig) -> TransformerConfig:
         gated_linear_unit=cfg.swiglu,
         activation_func=functional.silu if cfg.swiglu else functional.gelu,
         add_bias_linear=cfg.add_bias_linear,
+        num_query_groups=cfg.num_query_groups,
+        kv_channels=cfg.kv_channels,
+        layernorm_epsilon=cfg.norm_epsilon,
+        add_qkv_bias=cfg.add_qkv_bias,
+        qk_layernorm=cfg.qk_layernorm,
         use_cpu_initialization=True,
         gradient_accumulation_fusion=False,
         masked_softmax_fusion=False,
@@ -187,13 +212,16 @@ def build_gpt_model(
     torch.manual_seed(seed)
     config = transformer_config(cfg)
     if transformer_impl == "local":
-        spec = get_gpt_layer_local_spec(normalization=cfg.normalization)
+        spec = get_gpt_layer_local_spec(
+            normalization=cfg.normalization, qk_layernorm=cfg.qk_layernorm
+        )
     else:
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        spec = get_gpt_layer_with_transformer_engine_spec(normalization=cfg.normalization)
+        # TE's norms read config.normalization; this spec takes no normalization argument.
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_layernorm)
     if fp8 is not None:
         # FP8 parameters (fp8_param) are built by the TE layers under fp8_model_init.
         config = dataclasses.replace(
@@ -206,6 +234,7 @@ def build_gpt_model(
         max_sequence_length=cfg.seq_length,
         share_embeddings_and_output_weights=cfg.share_embeddings_and_output_weights,
         position_embedding_type=cfg.position_embedding_type,
+        rotary_base=cfg.rotary_base,
     )
 
 

@@ -21,6 +21,18 @@ from megatron_odc.runner.tensorboard import require_packages
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 TOKENIZER_TYPES = ("ByteTokenizer", "HuggingFaceTokenizer")
+MODEL_SHAPE_DEFAULTS = {
+    "num_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "position_embedding_type": "learned_absolute",
+    "normalization": "LayerNorm",
+    "num_query_groups": 1,
+    "norm_epsilon": 1e-5,
+    "rotary_base": 10000.0,
+}
+"""Defaults of the valued model flags that a ``--load-hf`` config also sets. The parser leaves them None,
+so a flag the user gave is told from one left unset; :func:`validate_args` fills them."""
 DEFAULT_LR_WARMUP_ITERS = 3
 
 
@@ -38,12 +50,16 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     model = parser.add_argument_group("model (Megatron-LM flags)")
-    model.add_argument("--num-layers", type=int, default=2, help="transformer layers")
-    model.add_argument("--hidden-size", type=int, default=64, help="model width")
+    model.add_argument(
+        "--num-layers", type=int, default=None, help="transformer layers (default 2)"
+    )
+    model.add_argument("--hidden-size", type=int, default=None, help="model width (default 64)")
     model.add_argument(
         "--ffn-hidden-size", type=int, default=None, help="MLP width (default 4 * hidden size)"
     )
-    model.add_argument("--num-attention-heads", type=int, default=4, help="attention heads")
+    model.add_argument(
+        "--num-attention-heads", type=int, default=None, help="attention heads (default 4)"
+    )
     model.add_argument(
         "--seq-length",
         type=int,
@@ -77,13 +93,53 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument(
         "--position-embedding-type",
         choices=("learned_absolute", "rope", "none"),
-        default="learned_absolute",
-        help="position embedding type",
+        default=None,
+        help="position embedding type (default learned_absolute)",
     )
     model.add_argument(
-        "--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm", help="norm type"
+        "--normalization",
+        choices=("LayerNorm", "RMSNorm"),
+        default=None,
+        help="norm type (default LayerNorm)",
     )
     model.add_argument("--swiglu", action="store_true", help="gated SiLU MLP")
+    model.add_argument(
+        "--group-query-attention",
+        action="store_true",
+        help="grouped-query attention with --num-query-groups key/value heads",
+    )
+    model.add_argument(
+        "--num-query-groups",
+        type=int,
+        default=None,
+        help="key/value heads under --group-query-attention (default 1)",
+    )
+    model.add_argument(
+        "--kv-channels",
+        type=int,
+        default=None,
+        help="width of one attention head (default --hidden-size / --num-attention-heads)",
+    )
+    model.add_argument(
+        "--norm-epsilon",
+        type=float,
+        default=None,
+        help="epsilon of the LayerNorm / RMSNorm layers (default 1e-5)",
+    )
+    model.add_argument(
+        "--rotary-base",
+        type=float,
+        default=None,
+        help="base (theta) of the rotary embedding (default 10000)",
+    )
+    model.add_argument(
+        "--add-qkv-bias",
+        action="store_true",
+        help="biases on the query/key/value projection even with --disable-bias-linear (Qwen2)",
+    )
+    model.add_argument(
+        "--qk-layernorm", action="store_true", help="a norm on each query and key head (Qwen3)"
+    )
     model.add_argument(
         "--disable-bias-linear", action="store_true", help="no biases in the linear layers"
     )
@@ -265,6 +321,21 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="load weights only from --load; start at iteration 0 with fresh optimizer and data",
     )
+    ckpt.add_argument(
+        "--load-hf",
+        default=None,
+        metavar="DIR",
+        help="start from a local Hugging Face model directory (Llama, Qwen2, Qwen3): the GPT's shape "
+        "comes from its config.json, its weights from its safetensors, the tokenizer from it too "
+        "(model-shape flags that disagree with the config are refused)",
+    )
+    ckpt.add_argument(
+        "--save-hf",
+        default=None,
+        metavar="DIR",
+        help="write the model as a Hugging Face directory at the end of training and at each "
+        "--save-interval (needs --load-hf, whose config and tokenizer it copies)",
+    )
     ckpt.add_argument("--log-interval", type=int, default=5, help="iterations per log line")
     ckpt.add_argument(
         "--tensorboard-dir",
@@ -340,7 +411,8 @@ def _is_float(text: str) -> bool:
 def validate_args(args: argparse.Namespace, *, world_size: int) -> argparse.Namespace:
     """Checks the parsed flags against each other and the world size; fills derived defaults.
 
-    Fills ``max_position_embeddings``, ``lr_decay_iters``, ``lr_warmup_iters``, ``balance``,
+    Fills the model flags from ``--load-hf``'s config or ``MODEL_SHAPE_DEFAULTS``, and
+    ``max_position_embeddings``, ``lr_decay_iters``, ``lr_warmup_iters``, ``balance``,
     ``max_tokens_per_microbatch``, ``odc_transport`` and ``tokenizer_type`` when they were left unset,
     and sets ``sft`` when no ``--data-path`` is given (the built-in synthetic SFT set).
 
@@ -355,6 +427,11 @@ def validate_args(args: argparse.Namespace, *, world_size: int) -> argparse.Name
         ValueError: an invalid flag or combination; the message names the flag.
     """
     _require_positive(args)
+    if args.load_hf is not None:
+        _apply_hf_config(args)
+    for name, default in MODEL_SHAPE_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     _check_parallelism(args, world_size)
     _check_precision(args)
     _check_model(args)
@@ -385,6 +462,8 @@ _POSITIVE = (
     "tensor_model_parallel_size",
     "max_tokens_per_microbatch",
     "synthetic_num_samples",
+    "num_query_groups",
+    "kv_channels",
 )
 """Integer flags that must be >= 1 when given."""
 
@@ -440,6 +519,43 @@ def _check_parallelism(args: argparse.Namespace, world_size: int) -> None:
         )
 
 
+def _apply_hf_config(args: argparse.Namespace) -> None:
+    """``--load-hf DIR``: the model flags its config means (``mcore/hf_bridge.py``), and its tokenizer.
+
+    A flag left unset takes the config's value; a flag given with another value is refused.
+    The vocabulary is the config's, rounded up to a multiple of the TP size (``--vocab-size`` may pad
+    it further).
+    """
+    from megatron_odc.mcore.hf_bridge import hf_model_flags
+
+    if not os.path.isdir(args.load_hf):
+        raise ValueError(f"--load-hf {args.load_hf!r} is not a directory")
+    try:
+        hf_flags = hf_model_flags(args.load_hf)
+    except ValueError as exc:
+        raise ValueError(f"--load-hf {args.load_hf}: {exc}") from None
+    hf_vocab = hf_flags.pop("vocab_size")
+    for name, value in hf_flags.items():
+        given = getattr(args, name)
+        unset = given is None or given is False  # valued flags default to None, switches to False
+        if not unset and given != value:
+            raise ValueError(
+                f"--{name.replace('_', '-')} {given} conflicts with --load-hf {args.load_hf}, whose "
+                f"config means {value}; drop the flag"
+            )
+        setattr(args, name, value)
+    tp_size = args.tensor_model_parallel_size
+    if args.vocab_size is None:
+        args.vocab_size = -(-hf_vocab // tp_size) * tp_size
+    elif args.vocab_size < hf_vocab:
+        raise ValueError(
+            f"--vocab-size {args.vocab_size} is smaller than the vocabulary of --load-hf "
+            f"{args.load_hf} ({hf_vocab})"
+        )
+    if args.tokenizer_type is None and args.tokenizer_model is None:
+        args.tokenizer_model = args.load_hf
+
+
 def _check_precision(args: argparse.Namespace) -> None:
     if args.bf16 and args.fp16:
         raise ValueError("--bf16 and --fp16 are mutually exclusive")
@@ -456,10 +572,21 @@ def _check_precision(args: argparse.Namespace) -> None:
 
 
 def _check_model(args: argparse.Namespace) -> None:
-    if args.hidden_size % args.num_attention_heads:
+    if args.kv_channels is None and args.hidden_size % args.num_attention_heads:
         raise ValueError(
             f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+            f"{args.num_attention_heads} (or pass --kv-channels)"
+        )
+    query_groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
+    if args.num_attention_heads % query_groups:
+        raise ValueError(
+            f"--num-query-groups {query_groups} does not divide --num-attention-heads "
             f"{args.num_attention_heads}"
+        )
+    if query_groups % args.tensor_model_parallel_size:
+        raise ValueError(
+            f"--num-query-groups {query_groups} is not divisible by --tensor-model-parallel-size "
+            f"{args.tensor_model_parallel_size}"
         )
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
@@ -542,11 +669,21 @@ def _check_data(args: argparse.Namespace) -> None:
 
 
 def _check_checkpointing(args: argparse.Namespace) -> None:
-    if args.save_interval is not None and args.save is None:
-        raise ValueError("--save-interval needs --save DIR")
+    if args.save_interval is not None and args.save is None and args.save_hf is None:
+        raise ValueError("--save-interval needs --save DIR or --save-hf DIR")
+    if args.save_hf is not None and args.load_hf is None:
+        raise ValueError(
+            "--save-hf needs --load-hf DIR: the saved model's config and tokenizer come from it"
+        )
+    if args.save_hf is not None and os.path.realpath(args.save_hf) == os.path.realpath(
+        args.load_hf
+    ):
+        raise ValueError(
+            f"--save-hf {args.save_hf} is the --load-hf directory; it would be replaced: pass another"
+        )
     if args.finetune and args.load is None:
         raise ValueError("--finetune needs --load DIR")
-    for flag, path in (("--save", args.save), ("--load", args.load)):
+    for flag, path in (("--save", args.save), ("--load", args.load), ("--save-hf", args.save_hf)):
         if path is not None and os.path.exists(path) and not os.path.isdir(path):
             raise ValueError(
                 f"{flag} {path!r} is an existing file, not a checkpoint directory; pass a "

@@ -6,7 +6,9 @@
 - ``data`` (``data_pipeline.DataPipeline``): this rank's microbatches of every minibatch;
 - ``model`` / ``optimizer`` (``mcore.backends.build_backend``) and ``scheduler``: the GPT under
   ``odc``, ``fsdp``, ``ddp`` or ``distopt``, and Megatron's ``OptimizerParamScheduler``;
-- checkpoints (``checkpoint.py``): ``--save`` / ``--load`` / ``--finetune``;
+- checkpoints (``checkpoint.py``): ``--save`` / ``--load`` / ``--finetune``; Hugging Face models
+  (``mcore/hf_bridge.py``): ``--load-hf`` (loaded into the GPT before the backend wraps it) and
+  ``--save-hf``;
 - the log (``log.py``): Megatron-style lines with ODC's figures, and the same figures in TensorBoard /
   wandb (``tensorboard.py``) on rank 0.
 
@@ -36,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_odc.mcore import optimizer_setup
+from megatron_odc.mcore import hf_bridge, optimizer_setup
 from megatron_odc.mcore.backends import build_backend
 from megatron_odc.mcore.config import LOCKSTEP_BACKENDS, ODC_ENGINE_BACKENDS, ODCConfig
 from megatron_odc.mcore.model import FP8Settings, GPTConfig, build_gpt_model, with_mixed_precision
@@ -174,10 +176,13 @@ class Trainer:
             seed=args.seed,
             transformer_impl=args.transformer_impl,
             fp8=_fp8_settings(args),
-        )
+        ).to(device)
+        if args.load_hf is not None:
+            with self.health.phase("load"):
+                hf_bridge.load_hf_weights(gpt, args.load_hf)  # every DP replica: the same weights
         self.model, self.optimizer = build_backend(
             args.dp_backend,
-            with_mixed_precision(gpt.to(device)),
+            with_mixed_precision(gpt),
             optimizer_setup.optimizer_config(args, optimizer="adam"),
             odc_config=ODCConfig.from_args(args)
             if args.dp_backend in ODC_ENGINE_BACKENDS
@@ -197,6 +202,7 @@ class Trainer:
         result = TrainResult(start, start, {}, {}, 0.0, 0)
         interval = LogInterval()
         last_saved = start if args.load is not None and not args.finetune else None
+        last_saved_hf = None
         loop_start = time.perf_counter()
         iteration = start
         while iteration < args.train_iters:
@@ -209,9 +215,13 @@ class Trainer:
                 with self.health.phase("log", iteration):
                     self._log(interval, result, eta_s)
                 interval = LogInterval()
-            if args.save and args.save_interval and iteration % args.save_interval == 0:
-                self._save(iteration)
-                last_saved = iteration
+            if args.save_interval and iteration % args.save_interval == 0:
+                if args.save:
+                    self._save(iteration)
+                    last_saved = iteration
+                if args.save_hf:
+                    self._save_hf(iteration)
+                    last_saved_hf = iteration
             if args.exit_interval and iteration % args.exit_interval == 0:
                 logger.info(
                     "exiting at iteration %d (--exit-interval %d)", iteration, args.exit_interval
@@ -219,6 +229,8 @@ class Trainer:
                 break
         if args.save and last_saved != iteration:
             self._save(iteration)
+        if args.save_hf and last_saved_hf != iteration:
+            self._save_hf(iteration)
         result.iteration = iteration
         result.elapsed_s = time.perf_counter() - loop_start
         return result
@@ -381,6 +393,18 @@ class Trainer:
             self.args.save,
             time.perf_counter() - start,
         )
+
+    def _save_hf(self, iteration: int) -> None:
+        """``--save-hf``: the model as a Hugging Face directory (collective; rank 0 writes)."""
+        with self.health.phase("save", iteration):
+            start = time.perf_counter()
+            hf_bridge.export_hf(self.model, self.args.save_hf, self.args.load_hf)
+            logger.info(
+                "saved the Hugging Face model at iteration %d to %s (%.2f s)",
+                iteration,
+                self.args.save_hf,
+                time.perf_counter() - start,
+            )
 
     def close(self) -> None:
         """Release the data path's lookahead thread and the backend's resources (the ODC transport's
