@@ -294,6 +294,35 @@ def _check_tp2(cfg) -> dict:
     return out
 
 
+def _elements_not_written_once(model, opt) -> list[tuple[str, int, int]]:
+    """Checkpoint keys whose main-replica boxes, over every rank, do not hold each element once.
+
+    ``dist_checkpointing`` writes the boxes whose replica id is all zeros; the replicas of a shard must
+    carry other ids, or the shard is written once per replica. Returns ``(key, elements written,
+    elements in the tensor)`` for every key that is off (collective).
+    """
+    import math
+
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, is_main_replica
+
+    from megatron_odc.mcore.dist_ckpt.state import build_save_state
+
+    written: dict[str, list[int]] = {}
+    for value in nested_values(build_save_state(model, opt)):
+        if isinstance(value, ShardedTensor):
+            entry = written.setdefault(value.key, [0, math.prod(value.global_shape)])
+            if is_main_replica(value.replica_id):
+                entry[0] += value.data.numel()
+    gathered: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, written)
+    totals: dict[str, list[int]] = {}
+    for per_rank in gathered:
+        for key, (count, numel) in per_rank.items():
+            totals.setdefault(key, [0, numel])[0] += count
+    return sorted((key, count, numel) for key, (count, numel) in totals.items() if count != numel)
+
+
 def _check_checkpoints(cfg, root: Path) -> dict:
     """hybrid G=2 -> full shard N=4 -> megatron-core DDP, each against the uninterrupted run."""
     from megatron_odc.runner.checkpoint import load_checkpoint, save_checkpoint
@@ -306,6 +335,7 @@ def _check_checkpoints(cfg, root: Path) -> dict:
     model, opt = _build("odc", cfg, seed=21)
     for step in range(2):
         _step(model, opt, cfg, step, counts)
+    out["written_once"] = _elements_not_written_once(model, opt)
     save_checkpoint(root / "hybrid", 2, model, opt, extra_state={})
     saved_hybrid = _params(model)
     oracle = [_step(model, opt, cfg, step, counts) for step in (2, 3)]
@@ -465,6 +495,8 @@ def test_checkpoint_chain_hybrid_full_shard_ddp(world) -> None:
     for rank, res in enumerate(world):
         ck = res["checkpoints"]
         assert ck["full_shard_size"] == WORLD
+        # Every element of every saved tensor is written by exactly one rank (replica ids).
+        assert ck["written_once"] == [], f"rank {rank}: {ck['written_once'][:3]}"
         for case in (
             "finetune_hybrid_to_full",
             "resume_hybrid_to_full",
@@ -489,3 +521,7 @@ def test_refusals_name_the_flag(world) -> None:
         assert kind == "ValueError", (rank, message)
         assert "--odc-transport shm" in message, message
         assert "spans 2 hosts" in message, message
+
+
+def test_zz_seconds(world) -> None:
+    print("SECONDS", world[0]["seconds"])
