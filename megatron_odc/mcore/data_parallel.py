@@ -122,6 +122,15 @@ class ODCDataParallel(DistributedDataParallel):
         self.topology = build_topology(self.dp_group, odc_config.shard_group_size)
         self.topology.check_transport(self.transport_name)
         self.shard_group = self.topology.shard_group
+        if self.topology.hybrid and dist.get_rank() == 0:
+            logger.info(
+                "ODC hybrid sharding: %d shard groups of %d ranks (%s); gradients summed over %d "
+                "replicas once per minibatch",
+                self.topology.replica_size,
+                self.topology.shard_size,
+                ", ".join(sorted(set(self.topology.shard_hosts))),
+                self.topology.replica_size,
+            )
         options = {"timeout_s": odc_config.timeout_s}
         if self.transport_name == "shm":
             options["accumulate_mode"] = "deterministic" if odc_config.deterministic else "locked"
