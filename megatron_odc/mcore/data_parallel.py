@@ -124,8 +124,8 @@ class ODCDataParallel(DistributedDataParallel):
         self.shard_group = self.topology.shard_group
         if self.topology.hybrid and dist.get_rank() == 0:
             logger.info(
-                "ODC hybrid sharding: %d shard groups of %d ranks (%s); gradients summed over %d "
-                "replicas once per minibatch",
+                "ODC hybrid sharding: %d shard groups of %d ranks (rank 0's on host %s); each "
+                "gradient shard summed over its %d replicas once per minibatch",
                 self.topology.replica_size,
                 self.topology.shard_size,
                 ", ".join(sorted(set(self.topology.shard_hosts))),
