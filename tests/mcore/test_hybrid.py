@@ -391,7 +391,9 @@ def _run(rank: int, world_size: int, root: str) -> dict:
         timed("refusals", lambda: _check_refusals(cfg))
         timed("parity", lambda: _check_parity(cfg))
         timed("memory", _check_memory)
-        timed("checkpoints", lambda: _check_checkpoints(cfg, Path(root)))
+        # SwiGLU: fc1 is a ShardedTensorFactory, saved from gathered tensors beside the boxes.
+        swiglu = GPTConfig(**SMALL_GPT, swiglu=True)
+        timed("checkpoints", lambda: _check_checkpoints(swiglu, Path(root)))
     finally:
         teardown_megatron()
     init_megatron(2, seed=5)
