@@ -3,6 +3,7 @@
 Modules, from the bottom up:
 
 - ``layout``: parameters -> buckets -> each rank's shard ranges (pure arithmetic);
+- ``groups``: the DP topology, shard groups x replica groups (hybrid sharding across hosts);
 - ``agreement``: every DP rank built the same layout and holds the same weights (at construction);
 - ``state``: the bucket states and the minibatch phase, each with its guarded transitions;
 - ``storage``: the unsharded flat buffers every parameter is a view of; buffer names; owned runs;

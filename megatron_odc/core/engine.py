@@ -20,7 +20,9 @@ units] in ``budget.py``) skip both per-use steps: ``release`` leaves them unshar
 backward does not push them; ``finish_minibatch`` pushes and releases them once.
 
 Per minibatch ([Note: minibatch protocol] in ``state.py``): ``finish_minibatch`` (after the last push)
-and ``end_step`` (after the optimizer wrote the new shards) hold the only two DP-wide fences;
+and ``end_step`` (after the optimizer wrote the new shards) hold the only two DP-wide fences (with
+hybrid sharding, fences of the shard group, and ``finish_minibatch`` then sums the accumulators over the
+replica group: [Note: hybrid sharding] in ``groups.py``);
 ``begin_minibatch`` communicates only when the previous minibatch did not end with ``end_step``.
 
 No megatron import: the Megatron-facing wrapper (``mcore/data_parallel.py``) and the hooks (``hooks.py``)
@@ -50,6 +52,7 @@ from megatron_odc.core.storage import BufferNames, OwnedPiece, UnshardedStorage
 from megatron_odc.core.streams import StreamOps, TorchStreams
 from megatron_odc.core.telemetry import Telemetry
 from megatron_odc.transport.base import Transport
+from megatron_odc.transport.devices import all_reduce_on_group_device
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +78,10 @@ class ODCEngine:
             their first use in a minibatch to its fence: ``"none"``, ``"all"`` or a size
             (``budget.choose_kept_units`` picks the units; the same on every rank).
         root_unit: the unit of the parameters outside every unit module (ranked first among equals).
+        replica_group: hybrid sharding ([Note: hybrid sharding] in ``groups.py``): the ranks holding
+            the same shards in the other shard groups; ``transport`` and the layout then span this
+            rank's shard group only, ``group`` the whole DP group, and ``finish_minibatch`` sums the
+            owned accumulators over ``replica_group`` after the push fence (``None``: no replicas).
     """
 
     def __init__(
@@ -93,12 +100,15 @@ class ODCEngine:
         fp8_codec: Float8ParamCodec | None = None,
         unsharded_budget: str | int | float = BUDGET_NONE,
         root_unit: str | None = None,
+        replica_group: dist.ProcessGroup | None = None,
     ) -> None:
         if max_pushes_in_flight < 1:
             raise ValueError(f"max_pushes_in_flight must be >= 1, got {max_pushes_in_flight}")
         self.transport = transport
         self.group = group
-        self.dp_rank = transport.rank
+        self.replica_group = replica_group
+        self.replica_rank = dist.get_rank(replica_group) if replica_group is not None else 0
+        self.dp_rank = transport.rank  # in the shard group: which shard this rank owns
         self.dp_size = transport.world_size
         self.device = transport.device
         self.grad_dtype = grad_dtype
@@ -426,8 +436,18 @@ class ODCEngine:
         with self.telemetry.timed("fence_s"):
             self._complete_own_operations()
             self.transport.fence()
+            self._sum_over_replicas()
         self.minibatch.move("finish_minibatch")
         self.telemetry.end_minibatch()
+
+    def _sum_over_replicas(self) -> None:
+        """Hybrid sharding: add every replica's fp32 accumulator shards, one all-reduce per bucket."""
+        if self.replica_group is None:
+            return
+        for bucket in self.layout.buckets:
+            all_reduce_on_group_device(
+                self.owned.grad_shard(bucket.index), group=self.replica_group
+            )
 
     def end_step(self) -> None:
         """After the optimizer step (or a skipped one): zero the accumulators, then fence.

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from megatron_odc.core.budget import BUDGET_ALL, BUDGET_NONE, parse_budget
+from megatron_odc.core.groups import SHARD_GROUP_SIZE_FLAG
 from megatron_odc.transport import TRANSPORT_CHOICES
 from megatron_odc.transport.cuda import ACCUMULATE_MODES
 
@@ -47,6 +48,16 @@ def _option(
     return dataclasses.field(
         default=default, metadata={"help": help, "choices": choices, "parse": parse}
     )
+
+
+def check_shard_group_size_value(value: Any) -> None:
+    """``--odc-shard-group-size``: 0 (the DP ranks of one host) or a positive integer; whether it
+    divides the DP size is checked where the DP group is known (``core/groups.py``)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(
+            f"{SHARD_GROUP_SIZE_FLAG} must be 0 (the ranks of one host) or an integer >= 1, got "
+            f"{value!r}"
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -100,6 +111,15 @@ class ODCConfig:
         f"fetched once and pushed once per minibatch ({BUDGET_NONE}: ZeRO-3, fetch per use and push "
         f"per microbatch; {BUDGET_ALL}: every unit; or a size such as 2GiB)",
         parse=parse_budget,
+    )
+
+    shard_group_size: int = _option(
+        0,
+        "ranks each parameter, gradient and optimizer state is sharded over (a divisor of the DP "
+        "size); the shard groups' replicas sum their gradients with one all-reduce per bucket per "
+        "minibatch (hybrid sharding). 0: the DP ranks of one host (full sharding on one host, hybrid "
+        "across hosts)",
+        parse=check_shard_group_size_value,
     )
 
     def __post_init__(self) -> None:

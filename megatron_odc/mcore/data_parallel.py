@@ -30,6 +30,7 @@ from megatron.core.utils import unwrap_model
 
 from megatron_odc.core.engine import ODCEngine
 from megatron_odc.core.fp8 import check_fp8_recipe
+from megatron_odc.core.groups import build_topology
 from megatron_odc.core.hooks import ODCHooks
 from megatron_odc.core.telemetry import format_line, reduce_across
 from megatron_odc.mcore.config import LOCKSTEP_TRANSPORT, ODCConfig, refuse_unsupported
@@ -76,7 +77,8 @@ class ODCDataParallel(DistributedDataParallel):
             same weights.
         disable_bucketing: accepted for signature compatibility; ODC buckets by unit and size.
         pg_collection: optional process groups (``dp`` and ``tp`` are used).
-        odc_config: ODC's own options (default ``ODCConfig()``).
+        odc_config: ODC's own options (default ``ODCConfig()``); ``shard_group_size`` splits the DP
+            group into shard groups x replica groups (``core/groups.py``).
     """
 
     def __init__(
@@ -115,6 +117,20 @@ class ODCDataParallel(DistributedDataParallel):
         self.transport_name = resolve_transport_name(
             odc_config.transport, first.device if first is not None else torch.device("cpu")
         )
+        # Hybrid sharding: the transport and the layout span the shard group, the replica group
+        # sums the owned accumulators once per minibatch ([Note: hybrid sharding] in core/groups.py).
+        self.topology = build_topology(self.dp_group, odc_config.shard_group_size)
+        self.topology.check_transport(self.transport_name)
+        self.shard_group = self.topology.shard_group
+        if self.topology.hybrid and dist.get_rank() == 0:
+            logger.info(
+                "ODC hybrid sharding: %d shard groups of %d ranks (rank 0's on host %s); each "
+                "gradient shard summed over its %d replicas once per minibatch",
+                self.topology.replica_size,
+                self.topology.shard_size,
+                ", ".join(sorted(set(self.topology.shard_hosts))),
+                self.topology.replica_size,
+            )
         options = {"timeout_s": odc_config.timeout_s}
         if self.transport_name == "shm":
             options["accumulate_mode"] = "deterministic" if odc_config.deterministic else "locked"
@@ -122,7 +138,7 @@ class ODCDataParallel(DistributedDataParallel):
             options["accumulate_mode"] = (
                 "deterministic" if odc_config.deterministic else odc_config.cuda_accumulate
             )
-        transport = build_transport(self.transport_name, self.dp_group, **options)
+        transport = build_transport(self.transport_name, self.shard_group, **options)
         try:
             self.engine = ODCEngine(
                 units.named_params,
@@ -136,6 +152,7 @@ class ODCDataParallel(DistributedDataParallel):
                 fp8_codec=select_fp8_codec((n, p) for n, p, _ in units.named_params),
                 unsharded_budget=odc_config.unsharded_budget,
                 root_unit=ROOT_UNIT if units.has_root else None,
+                replica_group=self.topology.replica_group,
             )
         except BaseException:
             transport.close()  # a refused model (e.g. weights differ across DP) leaks no files or fds

@@ -7,7 +7,8 @@ bucket's fp32 gradient accumulator, so the param groups of megatron-core's ``_ge
 decay and lr multipliers, what ``OptimizerParamScheduler`` reads) apply per parameter as in Megatron.
 
 ``step()`` = unscale and check for inf/nan (fp16; every rank agrees through one all-reduce), global grad
-norm over the owned pieces summed over DP and TP without double-counting TP-duplicated or shared params,
+norm over the owned pieces summed over DP and TP without double-counting TP-duplicated or shared params
+(or, with hybrid sharding, the replicas of a shard: only replica 0 counts),
 clipping, the inner step, then writing the compute-dtype shard that peers fetch next minibatch (FP8
 parameters: the engine's codec re-quantises the owned bytes, with one DP-wide amax reduction). It returns
 ``(success, grad_norm, num_zeros)`` like ``MegatronOptimizer.step``. Gradients are read where the owners
@@ -58,9 +59,10 @@ class OptimizerPiece:
     counted_in_norm: bool
 
 
-def _param_is_counted_in_norm(param: torch.nn.Parameter, tp_rank: int) -> bool:
-    """Whether a parameter's gradient counts in the global norm on this rank (Megatron's filters)."""
-    if getattr(param, "shared", False):
+def _param_is_counted_in_norm(param: torch.nn.Parameter, tp_rank: int, replica_rank: int) -> bool:
+    """Whether a parameter's gradient counts in the global norm on this rank (Megatron's filters;
+    with hybrid sharding only the first replica of each shard counts)."""
+    if getattr(param, "shared", False) or replica_rank != 0:
         return False
     return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
 
@@ -161,7 +163,10 @@ class ODCOptimizer(MegatronOptimizer):
                 pieces_by_group[group_of_param[id(model_param)]].append(piece)
                 self.pieces.append(
                     OptimizerPiece(
-                        piece, engine, owned, _param_is_counted_in_norm(model_param, self.tp_rank)
+                        piece,
+                        engine,
+                        owned,
+                        _param_is_counted_in_norm(model_param, self.tp_rank, engine.replica_rank),
                     )
                 )
             self._main_shards.append(mains)

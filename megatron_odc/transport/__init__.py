@@ -8,7 +8,8 @@
 - ``staging``: the staging slots and fixed-order owner reduce of the deterministic accumulate modes
   (``shm`` and ``cuda``);
 - ``registry``: the one list of transports, ``build_transport(name, group, **options)``;
-- ``devices``: which device a process group's collectives need.
+- ``devices``: which device a process group's collectives need;
+- ``hosts``: which ranks share a host (tests: pretend hosts, ``MEGATRON_ODC_LOCAL_WORLD_SIZE``).
 
 Importing this package loads no backend: they are imported when built (or imported by name). It
 imports no megatron module.

@@ -37,7 +37,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import socket
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
@@ -46,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_odc.transport.base import ACCUMULATE_SOURCE_DTYPES, BufferSpec, Transport
+from megatron_odc.transport.hosts import host_id
 from megatron_odc.transport.staging import owner_reduce, staging_numel, staging_slot_offset
 
 logger = logging.getLogger(__name__)
@@ -326,7 +326,7 @@ class CudaSymmTransport(Transport):
             raise ValueError(f"CudaSymmTransport: device must be a CUDA device, got {self.device}")
         torch.cuda.set_device(self.device)  # before any collective: NCCL object collectives use it
         hosts: list[object] = [None] * self.world_size
-        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        dist.all_gather_object(hosts, host_id(), group=group)
         self.backend = choose_backend(len(set(hosts)), self.features, backend)
 
         import torch.distributed._symmetric_memory as symm_mem

@@ -50,7 +50,6 @@ import logging
 import mmap
 import os
 import re
-import socket
 import struct
 import threading
 import time
@@ -68,6 +67,7 @@ from megatron_odc.transport.base import (
     TransportError,
     check_same_registration,
 )
+from megatron_odc.transport.hosts import host_id, host_namespace
 from megatron_odc.transport.staging import owner_reduce, staging_numel, staging_slot_offset
 
 logger = logging.getLogger(__name__)
@@ -80,7 +80,8 @@ SHM_DIR_ENV = "MEGATRON_ODC_SHM_DIR"
 
 DEFAULT_SHM_DIR = "/dev/shm"
 FILE_PREFIX = "megatron_odc-"
-"""Every file this transport creates is named ``megatron_odc-p<creator pid>-<run id>-<what>``."""
+"""Every file this transport creates is named ``megatron_odc-p<creator pid>-<host namespace><run id>-<what>``
+(the namespace is empty except on the pretend hosts of tests: ``hosts.host_namespace``)."""
 
 _STALE_NAME = re.compile(r"^megatron_odc-p(\d+)-")
 _FLOCK_FORMAT = "hhqqi4x"  # struct flock on Linux/x86-64 and aarch64: type, whence, start, len, pid
@@ -269,8 +270,8 @@ class ShmTransport(Transport):
 
         error = None
         try:
-            if socket.gethostname() != host0:
-                raise OSError(f"rank 0 is on host {host0!r}, this rank on {socket.gethostname()!r}")
+            if host_id() != host0:
+                raise OSError(f"rank 0 is on host {host0!r}, this rank on {host_id()!r}")
             # Neither open creates a file: both fail if rank 0's files are absent.
             self._lock_fd = os.open(lock_path, os.O_RDWR)
             self._fds.append(self._lock_fd)
@@ -282,9 +283,7 @@ class ShmTransport(Transport):
             )
         # Doubles as the barrier after which rank 0 may unlink the control block and the lock file.
         infos: list[object] = [None] * self.world_size
-        dist.all_gather_object(
-            infos, (socket.gethostname(), error, self.accumulate_mode), group=self._group
-        )
+        dist.all_gather_object(infos, (host_id(), error, self.accumulate_mode), group=self._group)
         if self.rank == 0:
             self._unlink_created()
         for rank, (host, rank_error, mode) in enumerate(infos):
@@ -331,10 +330,10 @@ class ShmTransport(Transport):
         except OSError as exc:
             self._unlink_created()
             return f"could not create {str(exc.filename or ctrl_path)!r} in shm_dir: {exc.strerror}"
-        return run_id, socket.gethostname(), ctrl_path, lock_path
+        return run_id, host_id(), ctrl_path, lock_path
 
     def _path(self, run_id: str, what: str) -> Path:
-        return self.shm_dir / f"{FILE_PREFIX}p{self._pid}-{run_id}-{what}"
+        return self.shm_dir / f"{FILE_PREFIX}p{self._pid}-{host_namespace()}{run_id}-{what}"
 
     def _create_file(self, path: Path, role: str | None, nbytes: int, run_id: str) -> None:
         """Create ``path`` exclusively, lock its liveness byte, reserve its tmpfs pages (ENOSPC here, not

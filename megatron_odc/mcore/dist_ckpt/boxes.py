@@ -4,8 +4,9 @@ ODC owns flat, row-major ranges of each parameter, which rarely are rectangles. 
 ``dist_checkpointing`` saves rectangular boxes with ``axis_fragmentations=None`` (its "uneven" path), so
 :func:`flat_range_boxes` cuts a flat range into at most three boxes per level and :func:`box_tensors`
 wraps a flat tensor's pieces as ``ShardedTensor``s placed by a template (the module's own entry: key,
-global shape, TP offsets). Every DP rank saves distinct elements, so the DP component of the replica id
-is 0 (:func:`dp_replica_zero`).
+global shape, TP offsets). Every rank of a shard group saves distinct elements, so the DP component of
+the replica id is the index of the rank's copy of its shard: 0 under full sharding, the shard group's
+index under hybrid sharding (:func:`dp_replica`).
 """
 
 from __future__ import annotations
@@ -68,11 +69,13 @@ def flat_range_boxes(
     return boxes
 
 
-def dp_replica_zero(replica_id: Any) -> Any:
-    """The replica id with its DP component (the last one) set to 0."""
+def dp_replica(replica_id: Any, replica_rank: int) -> Any:
+    """The replica id with its DP component (the last one) set to ``replica_rank``: the index of this
+    rank's copy of its shard (0 under full sharding; with hybrid sharding the shard group's index, so
+    ``dist_checkpointing`` writes each shard once, from replica 0)."""
     if isinstance(replica_id, tuple):
-        return (*replica_id[:-1], 0) if replica_id else replica_id
-    return 0
+        return (*replica_id[:-1], replica_rank) if replica_id else replica_id
+    return replica_rank
 
 
 def box_tensors(

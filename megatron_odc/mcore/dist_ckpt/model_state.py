@@ -26,7 +26,7 @@ from megatron.core.utils import unwrap_model
 
 from megatron_odc.core.storage import OwnedPiece
 from megatron_odc.mcore.data_parallel import ODCDataParallel
-from megatron_odc.mcore.dist_ckpt.boxes import box_tensors, dp_replica_zero
+from megatron_odc.mcore.dist_ckpt.boxes import box_tensors, dp_replica
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ def odc_model_sharded_state_dict(
                     entry.key,
                     run.values,
                     run.piece.param_start,
-                    dp_replica_zero(entry.replica_id),
+                    dp_replica(entry.replica_id, model.engine.replica_rank),
                 )
             if boxes:
                 sharded[key] = boxes

@@ -5,7 +5,7 @@
 distributed optimizer uses with ``distrib_optim_sharding_type='fully_reshardable'``, so a different DP or
 TP size (or megatron-core's distopt) loads them; the step count, param-group hyper-parameters and the
 grad scaler go into the common state. Parameters whose model entry fell back to full tensors get their
-state gathered over DP and saved through the module's own entry, as DistOpt does.
+state gathered over the shard group and saved through the module's own entry, as DistOpt does.
 
 The optimizer is read through its attributes (``optimizer``, ``pieces``, ``grad_scaler``,
 ``model_chunks``); this module does not import it, so the optimizer can call these functions.
@@ -24,7 +24,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.utils import unwrap_model
 
 from megatron_odc.mcore.data_parallel import ODCDataParallel
-from megatron_odc.mcore.dist_ckpt.boxes import box_tensors, dp_replica_zero
+from megatron_odc.mcore.dist_ckpt.boxes import box_tensors, dp_replica
 from megatron_odc.mcore.dist_ckpt.model_state import (
     ODCModelState,
     module_names,
@@ -108,7 +108,7 @@ def param_state_dict(
             for sk, tensor in tensors.items():
                 gathered.setdefault(key, {}).setdefault(sk, []).append((tensor, flat_start))
             continue
-        replica_id = dp_replica_zero(template.replica_id)
+        replica_id = dp_replica(template.replica_id, model.engine.replica_rank)
         entry = param_state.setdefault(key, {})
         for sk, tensor in tensors.items():
             entry.setdefault(sk, []).extend(
@@ -133,7 +133,7 @@ def param_state_dict(
             if not for_load:
                 for tensor, flat_start in runs:
                     full[flat_start : flat_start + tensor.numel()] = tensor
-                all_reduce_on_group_device(full, group=model.dp_group)
+                all_reduce_on_group_device(full, group=model.shard_group)  # each element once
             changes: dict[str, Any] = {
                 "key": f"{_OPT_PREFIX}.{names_in_ckpt.get(sk, sk)}.{module_entry.key}",
                 "data": full.view(shape),
