@@ -118,6 +118,8 @@ class ODCDataParallel(DistributedDataParallel):
         options = {"timeout_s": odc_config.timeout_s}
         if self.transport_name == "shm":
             options["accumulate_mode"] = "deterministic" if odc_config.deterministic else "locked"
+        elif self.transport_name == "mpi":
+            options["accumulate_mode"] = "deterministic" if odc_config.deterministic else "atomic"
         elif self.transport_name == "cuda":
             options["accumulate_mode"] = (
                 "deterministic" if odc_config.deterministic else odc_config.cuda_accumulate

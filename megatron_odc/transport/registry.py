@@ -23,6 +23,7 @@ TRANSPORTS = MappingProxyType(
         "shm": "megatron_odc.transport.shm:ShmTransport",
         "collective": "megatron_odc.transport.collective:CollectiveTransport",
         "cuda": "megatron_odc.transport.cuda:CudaSymmTransport",
+        "mpi": "megatron_odc.transport.mpi:MpiTransport",
     }
 )
 """Backend name -> ``module:class`` of its ``Transport`` subclass."""
@@ -52,7 +53,7 @@ def build_transport(name: str, group: dist.ProcessGroup | None = None, **options
     """Build the transport backend ``name`` over ``group`` (collective over the group).
 
     Args:
-        name: one of ``TRANSPORTS`` (``"shm"``, ``"collective"``, ``"cuda"``).
+        name: one of ``TRANSPORTS`` (``"shm"``, ``"collective"``, ``"cuda"``, ``"mpi"``).
         group: the data-parallel process group; ``None`` means WORLD.
         **options: the backend's keyword options (e.g. ``shm_dir``, ``timeout_s``, ``lock_stripe_nbytes``
             for ``"shm"``; ``timeout_s`` for ``"collective"``).
