@@ -39,6 +39,8 @@ THIRD_PARTY: dict[str, tuple[str, ...]] = {
     "megatron.core.datasets.indexed_dataset": ("data", "mcore", "integration"),
     "megatron.core": ("mcore", "integration"),
     "megatron": ("mcore", "integration"),
+    # MPI-3 RMA: the mpi transport (imported lazily there; runner/launch_env.py goes through it).
+    "mpi4py": ("transport",),
 }
 """Third-party packages only some layers may import (the first matching prefix decides)."""
 

@@ -1,9 +1,10 @@
 """The MPI transport: one-sided get and accumulate over MPI-3 RMA (mpi4py), within one host or across hosts.
 
-Every registered buffer is one MPI window (``MPI.Win.Allocate``: MPICH maps it into shared memory for the
-ranks of one host and registers it with the network for the others); this rank's shard is the window's
-local memory, seen as a tensor. Every window stays in one passive-target access epoch to every peer for
-its whole life (``Lock_all`` at registration, ``Unlock_all`` at close), so that:
+Registered buffers live in MPI windows (``MPI.Win.Allocate``: MPICH maps them into shared memory for the
+ranks of one host and registers them with the network for the others), placed first-fit into windows of
+at least :data:`ARENA_MIN_BYTES` (each allocation is a collective); this rank's shard is a view of its
+window's local memory. Every window stays in one passive-target access epoch to every peer for its
+whole life (``Lock_all`` at allocation, ``Unlock_all`` at close), so that:
 
 - ``get`` is ``Win.Get`` from the peer's window, completed by ``Win.Flush_local`` (the bytes have arrived
   when it returns; the owner takes no part);
@@ -13,7 +14,7 @@ its whole life (``Lock_all`` at registration, ``Unlock_all`` at close), so that:
     and fp16 sources are cast to fp32 first). MPI makes accumulates to one location element-atomic with
     each other, whatever their origin, so concurrent sources need no lock; the sum order, and so the last
     bits, depend on timing. ``Win.Flush_local`` lets the caller reuse the source at once;
-  * ``"deterministic"``: every accumulate target (fp32, ``accumulate=True``) gets a second window per
+  * ``"deterministic"``: every accumulate target (fp32, ``accumulate=True``) gets a second buffer per
     owner, its *staging* buffer of ``world_size`` slots of one shard (``staging.py``); ``accumulate`` adds
     into the source's own slot at the owner (MPI keeps one origin's accumulates to one location in
     order), and ``fence`` has each owner add the slots written since its last reduce in source order 0,
@@ -47,6 +48,7 @@ construction, ``register``, ``fence`` and ``close`` (``Win.Free``). It imports n
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -87,15 +89,34 @@ _LAUNCHER_SIZES = (
 )
 """(world size, ranks on this host) environment variables of the MPI launchers."""
 
+ARENA_MIN_BYTES = 4 << 20
+"""Smallest window: buffers are placed first-fit into windows ("arenas") of at least this size, as
+every ``Win.Allocate`` is a collective (one per buffer made a test model's set-up dominate its run)."""
+
+ARENA_ALIGN_BYTES = 64
+"""Alignment of every buffer placed in an arena."""
+
 MAX_OP_BYTES = 1 << 30
 """Largest single RMA operation: MPI counts are C ints."""
 
 _FENCE_SLEEP_START_S = 50e-6
 _FENCE_SLEEP_CAP_S = 2e-3
-_CLOSE_GRACE_AFTER_FAILURE_S = 5.0
-"""How long ``close`` waits for the peers after a fence of this transport timed out."""
 _NAMING_WAIT_S = 2.0
 """How long a timed-out fence waits for the peers' fence counts it reads to name the late ones."""
+
+
+@dataclasses.dataclass
+class _Arena:
+    """One MPI window (``disp_unit`` 1: displacements in bytes) and this rank's memory of it."""
+
+    win: object
+    memory: torch.Tensor  # uint8, the window's local bytes
+    capacity: int
+    used: int
+
+    def tensor(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """``numel`` elements of ``dtype`` at byte ``offset`` (a view of the window's memory)."""
+        return self.memory[offset : offset + numel * dtype.itemsize].view(dtype)
 
 
 def spans_hosts(environ: Mapping[str, str]) -> bool | None:
@@ -169,8 +190,9 @@ class MpiTransport(Transport):
         self.accumulate_mode = accumulate_mode
         self.timeout_s = float(timeout_s)
         self._mpi = import_mpi()
-        self._windows: dict[str, object] = {}  # buffer -> its window (shard)
-        self._staging_windows: dict[str, object] = {}  # buffer -> its staging window
+        self._arenas: list[_Arena] = []
+        self._placement: dict[str, tuple[_Arena, int]] = {}  # buffer -> (arena, byte offset)
+        self._staging_placement: dict[str, tuple[_Arena, int]] = {}  # of its staging slots
         self._staging: dict[str, torch.Tensor] = {}  # buffer -> this owner's staging slots
         self._dirty = np.zeros(self.world_size, dtype=np.int64)  # owners whose slot I wrote
         self._fence_count = 0
@@ -183,7 +205,9 @@ class MpiTransport(Transport):
         self._ctrl = np.frombuffer(self._ctrl_win.tomemory(), dtype=np.int64)
         self._ctrl[:] = 0
         self._ctrl_win.Lock_all()
-        self._comm.Barrier()
+        self._ctrl_win.Sync()
+        if not self._wait(self._comm.Ibarrier(), self.timeout_s):
+            raise TransportError(f"rank {self.rank}: the peers did not set up the mpi transport")
 
     def _join_ranks(self):
         """Check that MPI's ranks are torch's, and make the MPI communicator of the group's ranks."""
@@ -237,40 +261,56 @@ class MpiTransport(Transport):
             and spec.numel > 0
         )
 
-    def _allocate(self, numel: int, dtype: torch.dtype) -> tuple[object, torch.Tensor]:
-        """Collectively allocate a window of ``numel`` elements; returns it and its zeroed local tensor."""
-        win = self._mpi.Win.Allocate(numel * dtype.itemsize, dtype.itemsize, comm=self._comm)
-        if numel:
-            local = torch.frombuffer(win.tomemory(), dtype=dtype, count=numel)
-            local.zero_()
-        else:
-            local = torch.empty(0, dtype=dtype)
+    def _allocate(self, numel: int, dtype: torch.dtype) -> tuple[_Arena, int, torch.Tensor, bool]:
+        """Place ``numel`` elements in the first arena with room, or a new one (collective then).
+
+        Returns the arena, the byte offset, this rank's (zero) tensor there, and whether an arena was
+        allocated. Every rank decides alike: the registrations are the same everywhere (checked).
+        """
+        nbytes = numel * dtype.itemsize
+        for arena in self._arenas:
+            offset = -(-arena.used // ARENA_ALIGN_BYTES) * ARENA_ALIGN_BYTES
+            if offset + nbytes <= arena.capacity:
+                arena.used = offset + nbytes
+                return arena, offset, arena.tensor(offset, numel, dtype), False
+        capacity = max(nbytes, ARENA_MIN_BYTES)
+        win = self._mpi.Win.Allocate(capacity, 1, comm=self._comm)
+        memory = torch.frombuffer(win.tomemory(), dtype=torch.uint8, count=capacity)
+        memory.zero_()
         win.Lock_all()
-        return win, local
+        arena = _Arena(win, memory, capacity, nbytes)
+        self._arenas.append(arena)
+        return arena, 0, arena.tensor(0, numel, dtype), True
 
     def _register(self, spec: BufferSpec) -> torch.Tensor:
         infos: list[object] = [None] * self.world_size
         dist.all_gather_object(infos, (spec.name, spec.numel, str(spec.dtype)), group=self._group)
         check_same_registration(infos)
-        win, local = self._allocate(spec.numel, spec.dtype)
-        self._windows[spec.name] = win
+        arena, offset, local, new = self._allocate(spec.numel, spec.dtype)
+        self._placement[spec.name] = (arena, offset)
         if self._stages(spec):
-            staging_win, staging = self._allocate(
-                staging_numel(self.world_size, spec.numel), torch.float32
+            numel = staging_numel(self.world_size, spec.numel)
+            staging_arena, staging_offset, staging, new_staging = self._allocate(
+                numel, torch.float32
             )
-            self._staging_windows[spec.name] = staging_win
+            self._staging_placement[spec.name] = (staging_arena, staging_offset)
             self._staging[spec.name] = staging
-        self._sync_windows()
-        self._comm.Barrier()  # every shard zeroed before any peer touches it
+            new = new or new_staging
+        # A new arena: every rank zeroed it before any peer touches it (polled: a blocked MPI call
+        # spins a core). A place in an older arena has been zero and untouched since then.
+        if new:
+            self._sync_windows()
+            if not self._wait(self._comm.Ibarrier(), self.timeout_s):
+                raise TransportError(
+                    f"rank {self.rank}: register {spec.name!r}: the peers did not finish "
+                    f"allocating within {self.timeout_s:g} s"
+                )
         return local
-
-    def _all_windows(self) -> list:
-        return [*self._windows.values(), *self._staging_windows.values()]
 
     def _sync_windows(self) -> None:
         """Order this rank's local loads and stores of window memory with the RMA operations."""
-        for win in self._all_windows():
-            win.Sync()
+        for arena in self._arenas:
+            arena.win.Sync()
 
     # ------------------------------------------------------------------ one-sided operations
 
@@ -281,15 +321,16 @@ class MpiTransport(Transport):
         if peer == self.rank:  # shards change only between fences: a local copy is the same read
             out.copy_(self._local[spec.name][offset : offset + numel].view(out.shape))
             return
-        win, mpi = self._windows[spec.name], self._mpi
+        arena, base = self._placement[spec.name]
+        mpi = self._mpi
         itemsize = spec.dtype.itemsize
         step = MAX_OP_BYTES // itemsize
         for lo in range(0, numel, step):
             hi = min(numel, lo + step)
             nbytes = (hi - lo) * itemsize
-            data = self._memory(out, lo, hi)
-            win.Get([data, nbytes, mpi.BYTE], peer, (offset + lo, nbytes, mpi.BYTE))
-        win.Flush_local(peer)
+            target = (base + (offset + lo) * itemsize, nbytes, mpi.BYTE)
+            arena.win.Get([self._memory(out, lo, hi), nbytes, mpi.BYTE], peer, target)
+        arena.win.Flush_local(peer)
 
     def _accumulate(self, spec: BufferSpec, peer: int, offset: int, src: torch.Tensor) -> None:
         numel = src.numel()
@@ -297,19 +338,19 @@ class MpiTransport(Transport):
             return
         values = src.detach().reshape(-1).to(torch.float32)
         if self.accumulate_mode == "deterministic":
-            win = self._staging_windows[spec.name]
+            arena, base = self._staging_placement[spec.name]
             offset += staging_slot_offset(self.rank, self.world_size, spec.numel)
             self._dirty[peer] = 1
         else:
-            win = self._windows[spec.name]
-        mpi = self._mpi
+            arena, base = self._placement[spec.name]
+        mpi, win = self._mpi, arena.win
         step = MAX_OP_BYTES // 4
         for lo in range(0, numel, step):
             hi = min(numel, lo + step)
             win.Accumulate(
                 [self._memory(values, lo, hi), hi - lo, mpi.FLOAT],
                 peer,
-                (offset + lo, hi - lo, mpi.FLOAT),
+                (base + (offset + lo) * 4, hi - lo, mpi.FLOAT),
                 op=mpi.SUM,
             )
         win.Flush_local(peer)  # the source may be reused (or freed) once this returns
@@ -323,8 +364,8 @@ class MpiTransport(Transport):
     def flush(self) -> None:
         """Wait until this rank's earlier gets and accumulates are complete at their targets."""
         self._check_open()
-        for win in self._all_windows():
-            win.Flush_all()
+        for arena in self._arenas:
+            arena.win.Flush_all()
 
     # ------------------------------------------------------------------ fence
 
@@ -362,18 +403,12 @@ class MpiTransport(Transport):
         send = np.concatenate([np.array([self._epoch], dtype=np.int64), self._dirty])
         self._dirty[:] = 0
         recv = np.empty((self.world_size, self.world_size + 1), dtype=np.int64)
-        request = self._comm.Iallgather(send, recv)
-        start = time.monotonic()
-        sleep_s = _FENCE_SLEEP_START_S
-        while not request.Test():
-            if time.monotonic() - start > self.timeout_s:
-                self._failed = True
-                raise TransportError(
-                    f"rank {self.rank}: fence {self._fence_count}{what} timed out after "
-                    f"{self.timeout_s:g} s waiting for {self._late_ranks()}"
-                )
-            time.sleep(sleep_s)
-            sleep_s = min(2 * sleep_s, _FENCE_SLEEP_CAP_S)
+        if not self._wait(self._comm.Iallgather(send, recv), self.timeout_s):
+            self._failed = True
+            raise TransportError(
+                f"rank {self.rank}: fence {self._fence_count}{what} timed out after "
+                f"{self.timeout_s:g} s waiting for {self._late_ranks()}"
+            )
         assert (recv[:, 0] == self._epoch).all(), recv[:, 0]
         return recv
 
@@ -404,17 +439,19 @@ class MpiTransport(Transport):
     def _close(self) -> None:
         """Free every window and the communicator, once every rank is closing too.
 
-        ``Win.Free`` is collective: ranks first meet, waiting ``timeout_s`` at most (after a failed fence
-        only a short grace); when the peers do not come, the windows are left to the process's exit
-        rather than hang.
+        ``Win.Free`` is collective: ranks first meet, waiting ``timeout_s`` at most. After a fence timed
+        out (its abandoned meeting can no longer complete: the ranks that left it make no progress on
+        it), or when the peers do not come, the windows are left to the process's exit rather than
+        hang.
         """
         self._staging.clear()
-        windows = [*self._all_windows(), self._ctrl_win]
-        self._windows.clear()
-        self._staging_windows.clear()
+        self._placement.clear()
+        self._staging_placement.clear()
+        windows = [arena.win for arena in self._arenas] + [self._ctrl_win]
+        self._arenas.clear()
         if self._comm is None:
             return
-        if not self._closing_together():
+        if self._failed or not self._closing_together():
             logger.warning(
                 "rank %d: not every rank closed the mpi transport; its windows are released at exit",
                 self.rank,
@@ -430,14 +467,21 @@ class MpiTransport(Transport):
         self._comm = None
 
     def _closing_together(self) -> bool:
-        """Whether every rank came to close within ``timeout_s`` (a short grace after a failed fence)."""
-        wait_s = (
-            min(self.timeout_s, _CLOSE_GRACE_AFTER_FAILURE_S) if self._failed else self.timeout_s
-        )
-        request = self._comm.Ibarrier()
-        deadline = time.monotonic() + wait_s
+        """Whether every rank came to close within ``timeout_s``."""
+        return self._wait(self._comm.Ibarrier(), self.timeout_s)
+
+    @staticmethod
+    def _wait(request, timeout_s: float) -> bool:
+        """Poll ``request`` until it completes (True) or ``timeout_s`` passes (False).
+
+        Sleeps between tests (50 us doubling to 2 ms) rather than block in MPI, whose waits spin a core
+        that a rank sharing the host could compute on.
+        """
+        deadline = time.monotonic() + timeout_s
+        sleep_s = _FENCE_SLEEP_START_S
         while not request.Test():
             if time.monotonic() > deadline:
                 return False
-            time.sleep(_FENCE_SLEEP_CAP_S)
+            time.sleep(sleep_s)
+            sleep_s = min(2 * sleep_s, _FENCE_SLEEP_CAP_S)
         return True
