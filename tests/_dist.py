@@ -178,6 +178,25 @@ def read_result(path: str) -> tuple[str, Any] | None:
         return pickle.load(f)
 
 
+def record_outcome(
+    rank: int,
+    outcome: tuple[str, Any] | None,
+    missing: str,
+    problems: list[str],
+    results: list[Any],
+) -> None:
+    """Append ``rank``'s return value (``None`` if it failed) to ``results`` and what went wrong, if
+    anything, to ``problems``; ``missing`` says why a rank left no outcome."""
+    if outcome is None:
+        problems.append(f"rank {rank} {missing}")
+        results.append(None)
+    elif outcome[0] == "error":
+        problems.append(f"rank {rank} raised {outcome[1]}")
+        results.append(None)
+    else:
+        results.append(outcome[1])
+
+
 def _collect(
     procs: list[multiprocessing.Process],
     result_paths: list[str],
@@ -213,15 +232,8 @@ def _collect(
             problems.append(f"rank {rank} hung ({reason}; killed)")
             results.append(None)
             continue
-        outcome = read_result(rp)
-        if outcome is None:
-            problems.append(f"rank {rank} died with exit code {p.exitcode} and no result")
-            results.append(None)
-        elif outcome[0] == "error":
-            problems.append(f"rank {rank} raised {outcome[1]}")
-            results.append(None)
-        else:
-            results.append(outcome[1])
+        missing = f"died with exit code {p.exitcode} and no result"
+        record_outcome(rank, read_result(rp), missing, problems, results)
     if problems:
         raise RankFailureError("\n".join(problems))
     return results

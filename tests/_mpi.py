@@ -20,13 +20,14 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests._dist import RankFailureError, read_result, run_and_record
+from tests._dist import RankFailureError, read_result, record_outcome, run_and_record
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,16 +96,9 @@ def run_mpi(
             hung = True
         problems, results = [], []
         for rank in range(world_size):
+            why = f"hung (killed at the {timeout_s:.0f} s deadline)" if hung else "died"
             outcome = read_result(str(workdir / f"rank{rank}.pkl"))
-            if outcome is None:
-                why = f"hung (killed at the {timeout_s:.0f} s deadline)" if hung else "died"
-                problems.append(f"rank {rank} {why} with no result")
-                results.append(None)
-            elif outcome[0] == "error":
-                problems.append(f"rank {rank} raised {outcome[1]}")
-                results.append(None)
-            else:
-                results.append(outcome[1])
+            record_outcome(rank, outcome, f"{why} with no result", problems, results)
         if problems:
             tail = output[-4000:]
             raise RankFailureError(
@@ -124,6 +118,13 @@ def _main(workdir: str) -> None:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     result_path = str(Path(workdir) / f"rank{rank}.pkl")
     run_and_record(fn, rank, world_size, args, result_path, "gloo", pg_timeout_s, "env://")
+    # Meet before MPI_Finalize (at exit), sleeping: a rank that finished first would otherwise spin a
+    # core in Finalize that the others, two to four to a core here, still compute on.
+    from megatron_odc.transport.mpi import import_mpi
+
+    request = import_mpi().COMM_WORLD.Ibarrier()
+    while not request.Test():
+        time.sleep(0.005)
 
 
 if __name__ == "__main__":
