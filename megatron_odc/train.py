@@ -1,4 +1,6 @@
-"""``python -m megatron_odc.train``: the plugin's own training entry (run under torchrun).
+"""``python -m megatron_odc.train``: the plugin's own training entry (run under torchrun, or under
+``mpiexec`` with ``--odc-transport mpi``: ``runner/launch_env.py`` then sets torch's launch variables
+from MPI's).
 
 Parses and checks the flags (``runner/arguments.py``: a bad flag exits with status 2 and a message
 naming it, before anything is built), makes megatron-core run on CPU where there is no CUDA
@@ -19,6 +21,7 @@ from megatron_odc.integration.cpu import cpu_runtime
 from megatron_odc.runner.arguments import build_parser, validate_args
 from megatron_odc.runner.errors import REPORT_ATTRIBUTE
 from megatron_odc.runner.health import EXIT_PEER_FAILURE, PeerFailureError
+from megatron_odc.runner.launch_env import apply_launch_env
 from megatron_odc.runner.trainer import TrainResult, train
 
 logger = logging.getLogger("megatron_odc.train")
@@ -42,6 +45,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = build_parser()
     args = parser.parse_args(argv)
+    try:
+        apply_launch_env(args.odc_transport)
+    except ValueError as exc:
+        sys.stderr.write(f"{parser.prog}: error: {exc}\n")
+        return 2
     world_size = (
         dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     )

@@ -43,6 +43,30 @@ def _child(
     backend: str,
     pg_timeout_s: float,
 ) -> None:
+    run_and_record(
+        fn,
+        rank,
+        world_size,
+        args,
+        result_path,
+        backend,
+        pg_timeout_s,
+        init_method=f"file://{store_path}",
+    )
+
+
+def run_and_record(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    args: tuple,
+    result_path: str,
+    backend: str,
+    pg_timeout_s: float,
+    init_method: str,
+) -> None:
+    """A rank's body: join the process group, run ``fn``, and write its outcome to ``result_path``
+    (read back by :func:`read_result`). Shared with ``tests/_mpi.py``."""
     import datetime
 
     import torch
@@ -53,7 +77,7 @@ def _child(
     try:
         dist.init_process_group(
             backend,
-            init_method=f"file://{store_path}",
+            init_method=init_method,
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=pg_timeout_s),
@@ -147,11 +171,30 @@ def run_ranks(
         _remove_tree(workdir)
 
 
-def _read_result(path: str) -> tuple[str, Any] | None:
+def read_result(path: str) -> tuple[str, Any] | None:
     if not os.path.exists(path):
         return None
     with open(path, "rb") as f:
         return pickle.load(f)
+
+
+def record_outcome(
+    rank: int,
+    outcome: tuple[str, Any] | None,
+    missing: str,
+    problems: list[str],
+    results: list[Any],
+) -> None:
+    """Append ``rank``'s return value (``None`` if it failed) to ``results`` and what went wrong, if
+    anything, to ``problems``; ``missing`` says why a rank left no outcome."""
+    if outcome is None:
+        problems.append(f"rank {rank} {missing}")
+        results.append(None)
+    elif outcome[0] == "error":
+        problems.append(f"rank {rank} raised {outcome[1]}")
+        results.append(None)
+    else:
+        results.append(outcome[1])
 
 
 def _collect(
@@ -169,7 +212,7 @@ def _collect(
         now = time.monotonic()
         failed = any(
             not p.is_alive()
-            and (p.exitcode != 0 or _read_result(rp) is None or _read_result(rp)[0] != "ok")
+            and (p.exitcode != 0 or read_result(rp) is None or read_result(rp)[0] != "ok")
             for p, rp in zip(procs, result_paths)
         )
         if failed and first_failure_at is None:
@@ -189,15 +232,8 @@ def _collect(
             problems.append(f"rank {rank} hung ({reason}; killed)")
             results.append(None)
             continue
-        outcome = _read_result(rp)
-        if outcome is None:
-            problems.append(f"rank {rank} died with exit code {p.exitcode} and no result")
-            results.append(None)
-        elif outcome[0] == "error":
-            problems.append(f"rank {rank} raised {outcome[1]}")
-            results.append(None)
-        else:
-            results.append(outcome[1])
+        missing = f"died with exit code {p.exitcode} and no result"
+        record_outcome(rank, read_result(rp), missing, problems, results)
     if problems:
         raise RankFailureError("\n".join(problems))
     return results

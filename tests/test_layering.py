@@ -47,6 +47,8 @@ THIRD_PARTY: dict[str, tuple[str, ...]] = {
     "safetensors": ("mcore",),
     "transformers": ("mcore", "data"),
     "megatron": ("mcore", "integration"),
+    # MPI-3 RMA: the mpi transport (imported lazily there; runner/launch_env.py goes through it).
+    "mpi4py": ("transport",),
 }
 """Third-party packages only some layers may import (the first matching prefix decides)."""
 

@@ -75,7 +75,7 @@ class DPTopology:
                 f"--odc-transport {transport} joins the ranks of one host, but the shard group of "
                 f"{SHARD_GROUP_SIZE_FLAG} {self.shard_size} spans {len(hosts)} hosts ({', '.join(hosts)}); "
                 f"leave {SHARD_GROUP_SIZE_FLAG} unset (the ranks of one host: hybrid sharding across "
-                "hosts), or choose an --odc-transport that crosses hosts"
+                "hosts), or --odc-transport mpi (launched with mpiexec) for full sharding across hosts"
             )
 
 

@@ -69,8 +69,9 @@ class ODCConfig:
     transport: str = _option(
         "auto",
         "one-sided transport: shm (CPU ranks of one host), cuda (PyTorch symmetric memory, the GPUs "
-        "of one node), collective (lockstep all-gather / reduce-scatter: the fsdp baseline) or auto "
-        "(cuda for a model on a GPU, else shm)",
+        "of one node), mpi (MPI-3 RMA through mpi4py, across hosts; launch with mpiexec), collective "
+        "(lockstep all-gather / reduce-scatter: the fsdp baseline) or auto (cuda for a model on a "
+        "GPU, else shm)",
         TRANSPORT_CHOICES,
     )
     cuda_accumulate: str = _option(
@@ -84,7 +85,7 @@ class ODCConfig:
         False,
         "fixed-order gradient sums, so that two identical runs are bitwise equal: each source adds "
         "into its own staging slot at the owner, which the owner reduces in source order at the fence "
-        "(shm and cuda; memory: one fp32 gradient shard per source at each owner; the collective "
+        "(shm, cuda and mpi; memory: one fp32 gradient shard per source at each owner; the collective "
         "transport is deterministic already)",
     )
     pushes_in_flight: int = _option(

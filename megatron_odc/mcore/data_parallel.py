@@ -114,12 +114,14 @@ class ODCDataParallel(DistributedDataParallel):
 
         units = model_units(module)
         first = next(module.parameters(), None)
-        self.transport_name = resolve_transport_name(
-            odc_config.transport, first.device if first is not None else torch.device("cpu")
-        )
         # Hybrid sharding: the transport and the layout span the shard group, the replica group
         # sums the owned accumulators once per minibatch ([Note: hybrid sharding] in core/groups.py).
         self.topology = build_topology(self.dp_group, odc_config.shard_group_size)
+        self.transport_name = resolve_transport_name(
+            odc_config.transport,
+            first.device if first is not None else torch.device("cpu"),
+            spans_hosts=len(set(self.topology.shard_hosts)) > 1,
+        )
         self.topology.check_transport(self.transport_name)
         self.shard_group = self.topology.shard_group
         if self.topology.hybrid and dist.get_rank() == 0:
@@ -134,6 +136,8 @@ class ODCDataParallel(DistributedDataParallel):
         options = {"timeout_s": odc_config.timeout_s}
         if self.transport_name == "shm":
             options["accumulate_mode"] = "deterministic" if odc_config.deterministic else "locked"
+        elif self.transport_name == "mpi":
+            options["accumulate_mode"] = "deterministic" if odc_config.deterministic else "atomic"
         elif self.transport_name == "cuda":
             options["accumulate_mode"] = (
                 "deterministic" if odc_config.deterministic else odc_config.cuda_accumulate

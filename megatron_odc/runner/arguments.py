@@ -16,6 +16,7 @@ import os
 from megatron_odc.core.fp8 import FP8_FORMATS, FP8_RECIPES, check_fp8_flags
 from megatron_odc.data.indexed_sft import is_indexed_sft, sidecar_path
 from megatron_odc.mcore.config import refuse_unsupported
+from megatron_odc.runner.launch_env import check_mpi_launch
 from megatron_odc.runner.odc_flags import add_odc_arguments, resolve_odc_args
 from megatron_odc.runner.tensorboard import require_packages
 
@@ -424,7 +425,8 @@ def validate_args(args: argparse.Namespace, *, world_size: int) -> argparse.Name
         ``args``, completed in place.
 
     Raises:
-        ValueError: an invalid flag or combination; the message names the flag.
+        ValueError: an invalid flag or combination (or ``--odc-transport mpi`` outside an ``mpiexec``
+            launch); the message names the flag.
     """
     _require_positive(args)
     if args.load_hf is not None:
@@ -437,6 +439,7 @@ def validate_args(args: argparse.Namespace, *, world_size: int) -> argparse.Name
     _check_model(args)
     _check_optimization(args)
     resolve_odc_args(args)
+    check_mpi_launch(args.odc_transport, os.environ)
     _check_data(args)
     _check_checkpointing(args)
     _check_metrics(args)

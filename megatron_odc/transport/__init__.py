@@ -3,10 +3,11 @@
 - ``base``: the protocol every transport speaks (:class:`Transport`) and its error type;
 - ``shm`` (:class:`ShmTransport`): shared memory between the CPU ranks of one host, the CI workhorse;
 - ``cuda`` (:class:`CudaSymmTransport`): PyTorch symmetric memory between the GPUs of one node;
+- ``mpi`` (:class:`MpiTransport`): MPI-3 RMA through mpi4py, on one host or across hosts (``mpiexec``);
 - ``collective`` (:class:`CollectiveTransport`): torch.distributed collectives in lockstep (the FSDP
   baseline);
 - ``staging``: the staging slots and fixed-order owner reduce of the deterministic accumulate modes
-  (``shm`` and ``cuda``);
+  (``shm``, ``cuda`` and ``mpi``);
 - ``registry``: the one list of transports, ``build_transport(name, group, **options)``;
 - ``devices``: which device a process group's collectives need;
 - ``hosts``: which ranks share a host (tests: pretend hosts, ``MEGATRON_ODC_LOCAL_WORLD_SIZE``).

@@ -23,6 +23,7 @@ TRANSPORTS = MappingProxyType(
         "shm": "megatron_odc.transport.shm:ShmTransport",
         "collective": "megatron_odc.transport.collective:CollectiveTransport",
         "cuda": "megatron_odc.transport.cuda:CudaSymmTransport",
+        "mpi": "megatron_odc.transport.mpi:MpiTransport",
     }
 )
 """Backend name -> ``module:class`` of its ``Transport`` subclass."""
@@ -52,7 +53,7 @@ def build_transport(name: str, group: dist.ProcessGroup | None = None, **options
     """Build the transport backend ``name`` over ``group`` (collective over the group).
 
     Args:
-        name: one of ``TRANSPORTS`` (``"shm"``, ``"collective"``, ``"cuda"``).
+        name: one of ``TRANSPORTS`` (``"shm"``, ``"collective"``, ``"cuda"``, ``"mpi"``).
         group: the data-parallel process group; ``None`` means WORLD.
         **options: the backend's keyword options (e.g. ``shm_dir``, ``timeout_s``, ``lock_stripe_nbytes``
             for ``"shm"``; ``timeout_s`` for ``"collective"``).
@@ -73,8 +74,21 @@ TRANSPORT_CHOICES = ("auto", *TRANSPORTS)
 """What a user may ask for: a transport by name, or ``auto``."""
 
 
-def resolve_transport_name(name: str, device: torch.device) -> str:
-    """``auto`` -> ``cuda`` for memory on a CUDA device, else ``shm``; other names unchanged."""
+def resolve_transport_name(name: str, device: torch.device, spans_hosts: bool = False) -> str:
+    """``auto`` -> the node's transport (``cuda`` for memory on a CUDA device, else ``shm``) for a
+    group on one host, ``mpi`` for a group of CPU ranks that spans hosts; other names unchanged.
+
+    Raises:
+        ValueError: ``auto`` for a group of GPUs spanning hosts (no inter-node GPU transport yet).
+    """
     if name != "auto":
         return name
-    return "cuda" if device.type == "cuda" else "shm"
+    if not spans_hosts:
+        return "cuda" if device.type == "cuda" else "shm"
+    if device.type == "cuda":
+        raise ValueError(
+            "--odc-transport auto: the shard group spans hosts and its memory is on GPUs, for which "
+            "megatron-odc has no inter-node one-sided transport yet (NVSHMEM is not built); leave "
+            "--odc-shard-group-size unset (hybrid sharding: one shard group per host)"
+        )
+    return "mpi"

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from tests._dist import RankFailureError, run_ranks
 from tests._megatron import SMALL_GPT
+from tests._mpi import requires_mpi, run_mpi
 
 CFG_KW = SMALL_GPT
 
@@ -68,7 +69,7 @@ def _loss_report(losses) -> tuple[float, float]:
     return float(totals[0]), float(totals[1])
 
 
-def _run_parity(rank, world_size, tp, sp, counts, steps, oracle, budget):
+def _run_parity(rank, world_size, tp, sp, counts, steps, oracle, budget, transport="shm"):
     from megatron.core import parallel_state
 
     from megatron_odc.mcore.cpu_optimizers import cuda_type_names
@@ -81,7 +82,9 @@ def _run_parity(rank, world_size, tp, sp, counts, steps, oracle, budget):
         cfg = GPTConfig(**CFG_KW, sequence_parallel=sp)
         dp_rank = parallel_state.get_data_parallel_rank()
         hp = {"lr": 3e-3, "weight_decay": 0.1, "clip_grad": 0.05}
-        odc_model, odc_opt = _build_odc(build_gpt_model(cfg, seed=11), budget=budget, **hp)
+        odc_model, odc_opt = _build_odc(
+            build_gpt_model(cfg, seed=11), budget=budget, transport=transport, **hp
+        )
         ref_model, ref_opt = build_megatron_ddp(
             build_gpt_model(cfg, seed=11), use_distributed_optimizer=(oracle == "distopt"), **hp
         )
@@ -100,6 +103,7 @@ def _run_parity(rank, world_size, tp, sp, counts, steps, oracle, budget):
         out["telemetry"] = odc_model.log_telemetry()
         out["kept"] = (len(odc_model.engine.kept_units), len(odc_model.engine.layout.units))
         out["implementation"] = odc_opt.implementation
+        out["transport"] = type(odc_model.engine.transport).__name__
         odc_params = odc_model.engine.full_parameters()
         ref_params = {n: p.detach().clone() for n, p in ref_model.module.named_parameters()}
         worst = max((_rel_err(odc_params[n], ref_params[n]), n) for n in ref_params)
@@ -119,6 +123,22 @@ def _run_parity(rank, world_size, tp, sp, counts, steps, oracle, budget):
         return out
     finally:
         teardown_megatron()
+
+
+def _assert_parity(results: list[dict], steps: int) -> None:
+    """Per-step loss and grad norm and the final parameters equal the oracle's to 1e-5 (relative)."""
+    for rank, res in enumerate(results):
+        for step in range(steps):
+            (ol, ot), (rl, rt) = res["odc_loss"][step], res["ref_loss"][step]
+            assert ot == rt, f"rank {rank} step {step}: token counts differ"
+            assert abs(ol - rl) <= 1e-5 * max(abs(rl), 1e-12), (
+                f"rank {rank} step {step}: {ol} vs {rl}"
+            )
+            on, rn = res["odc_norm"][step], res["ref_norm"][step]
+            assert abs(on - rn) <= 1e-5 * rn, f"rank {rank} step {step}: grad norm {on} vs {rn}"
+        assert not res["tp_replicas_diverged"], f"rank {rank}: {res['tp_replicas_diverged']}"
+        err, name = res["param_rel_err"]
+        assert err <= 1e-5, f"rank {rank}: parameter {name} differs by {err:.2e} (relative)"
 
 
 @pytest.mark.parametrize(
@@ -154,18 +174,7 @@ def test_odc_matches_megatron_ddp(world_size, tp, sp, counts, oracle, budget) ->
         timeout_s=400,
         pg_timeout_s=120,
     )
-    for rank, res in enumerate(results):
-        for step in range(steps):
-            (ol, ot), (rl, rt) = res["odc_loss"][step], res["ref_loss"][step]
-            assert ot == rt, f"rank {rank} step {step}: token counts differ"
-            assert abs(ol - rl) <= 1e-5 * max(abs(rl), 1e-12), (
-                f"rank {rank} step {step}: {ol} vs {rl}"
-            )
-            on, rn = res["odc_norm"][step], res["ref_norm"][step]
-            assert abs(on - rn) <= 1e-5 * rn, f"rank {rank} step {step}: grad norm {on} vs {rn}"
-        assert not res["tp_replicas_diverged"], f"rank {rank}: {res['tp_replicas_diverged']}"
-        err, name = res["param_rel_err"]
-        assert err <= 1e-5, f"rank {rank}: parameter {name} differs by {err:.2e} (relative)"
+    _assert_parity(results, steps)
     # The owned shards step with torch's fused multi-tensor kernel (CPU included).
     assert results[0]["implementation"] in ("Adam fused", "AdamW fused")
     kept, num_units = results[0]["kept"]
@@ -177,6 +186,16 @@ def test_odc_matches_megatron_ddp(world_size, tp, sp, counts, oracle, budget) ->
     assert tel["num_microbatches_max"] == max(counts)
     assert tel["num_microbatches_min"] == min(counts)
     assert tel["fetch_bytes_max"] > 0
+
+
+@requires_mpi
+def test_odc_over_mpi_matches_megatron_ddp_with_uneven_counts() -> None:
+    # Full sharding over the mpi transport, 4 ranks under mpiexec (one with no microbatch), fp32.
+    steps, counts = 3, [1, 0, 3, 2]
+    results = run_mpi(_run_parity, 4, 1, False, counts, steps, "ddp", "none", "mpi", timeout_s=300)
+    assert {res["transport"] for res in results} == {"MpiTransport"}
+    _assert_parity(results, steps)
+    assert results[0]["telemetry"]["num_microbatches_min"] == 0
 
 
 def _run_bad_pp(rank, world_size):

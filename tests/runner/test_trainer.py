@@ -35,6 +35,7 @@ from megatron_odc.core.fp8 import transformer_engine_available
 from megatron_odc.data.preprocess import preprocess
 from megatron_odc.runner.arguments import build_parser, validate_args
 from tests._dist import run_ranks
+from tests._mpi import mpi_env, mpiexec_command, requires_mpi
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--log-interval", "1", "--global-batch-size", "8", "--synthetic-num-samples", "64"]
@@ -56,6 +57,7 @@ BAD_FLAGS = [
     (["--balance", "lb_mini", "--dp-backend", "fsdp"], "--balance"),
     (["--balance", "local_sort", "--dp-backend", "fsdp"], "--balance"),
     (["--dp-backend", "fsdp", "--odc-transport", "shm"], "--odc-transport"),
+    (["--odc-transport", "mpi"], "--odc-transport mpi"),  # not under mpiexec
     (["--micro-batch-size", "2"], "--micro-batch-size"),
     (["--no-calculate-per-token-loss"], "--no-calculate-per-token-loss"),
     (["--tensor-model-parallel-size", "4"], "--tensor-model-parallel-size"),
@@ -228,6 +230,30 @@ def test_resume_repeats_the_uninterrupted_losses(default_run, tmp_path, shm_dir)
     assert sorted(second_half) == [6, 7, 8, 9, 10]
     for it, loss in {**first_half, **second_half}.items():
         assert loss == pytest.approx(straight[it], rel=1e-6, abs=0.0), it
+
+
+@requires_mpi
+def test_the_main_command_under_mpiexec_repeats_the_torchrun_losses(default_run, tmp_path):
+    # --odc-transport mpi: torch's launch variables come from MPI's (runner/launch_env.py); the same
+    # fp32 model, data and plan as the torchrun run over shm, so the same losses up to summation order.
+    _, straight_stdout = default_run
+    straight = _logged_losses(straight_stdout)
+    argv = ["-m", "megatron_odc.train", "--odc-transport", "mpi"]
+    argv += ["--train-iters", "10", "--log-interval", "1"]
+    proc = subprocess.run(
+        ["timeout", "150", *mpiexec_command(2, argv)],
+        cwd=tmp_path,
+        env=mpi_env(),
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    losses = _logged_losses(proc.stdout)
+    assert sorted(losses) == list(range(1, 11)), proc.stdout[-3000:]
+    for it, loss in losses.items():
+        assert loss == pytest.approx(straight[it], rel=1e-5, abs=0.0), it
+    assert proc.stdout.count("training finished") == 1
 
 
 # Rank bodies #

@@ -8,7 +8,6 @@ because a spawn costs a few seconds.
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import subprocess
 import time
@@ -22,7 +21,14 @@ import torch.distributed as dist
 from megatron_odc.transport import TransportError, build_transport
 from megatron_odc.transport.shm import SHM_ACCUMULATE_MODES, ShmTransport, _lock_liveness
 from tests._dist import SHM_ROOT, RankFailureError, run_ranks
-from tests.transport._cases import mismatched_registrations
+from tests.transport._cases import (
+    ARRIVAL_NUMEL,
+    check_accumulate,
+    check_fence_orders_writes,
+    check_get,
+    mismatched_registrations,
+    sum_in_two_arrival_orders,
+)
 
 STRIPE_SMALL_NBYTES = 4096
 SHARD_NUMEL = 16 * 1024 + 13  # 16 stripes of 4 KiB plus a partial one
@@ -40,88 +46,6 @@ def _assert_no_files(shm_dir: str) -> None:
     dist.barrier()
     assert _odc_files(shm_dir) == []
     dist.barrier()
-
-
-def _acc_ops(src_rank: int, world_size: int, numel: int, num_ops: int, seed: int):
-    """The accumulates of ``src_rank``: (peer, offset, integer-valued source tensor), reproducibly.
-
-    Sources are fp32, bf16 or fp16 slices of one random integer pool per dtype (all exact in fp32).
-    """
-    rng = random.Random(seed * 1000 + src_rank)
-    gen = torch.Generator().manual_seed(seed * 1000 + src_rank)
-    pool = torch.randint(-8, 9, (numel,), generator=gen, dtype=torch.float32)
-    pools = [pool, pool.to(torch.bfloat16), pool.flip(0).to(torch.float16)]
-    ops = []
-    for _ in range(num_ops):
-        for peer in range(world_size):
-            size = rng.randint(1, numel // 3)
-            offset = rng.randint(0, numel - size)
-            start = rng.randint(0, numel - size)
-            ops.append((peer, offset, rng.choice(pools)[start : start + size]))
-    return ops
-
-
-def _check_accumulate(t: ShmTransport, name: str, numel: int, num_ops: int, seed: int) -> None:
-    rank, world_size = t.rank, t.world_size
-    all_ops = [_acc_ops(src, world_size, numel, num_ops, seed) for src in range(world_size)]
-    for peer, offset, values in all_ops[rank]:
-        t.accumulate(name, peer, offset, values)
-    t.fence()
-    # Oracle: every source's operations replayed in float64 on this one process, for every owner.
-    expected = torch.zeros(world_size, numel, dtype=torch.float64)
-    for ops in all_ops:
-        for peer, offset, values in ops:
-            expected[peer, offset : offset + values.numel()] += values.to(torch.float64)
-    assert expected.abs().max() > 0
-    torch.testing.assert_close(t.local(name).to(torch.float64), expected[rank], rtol=0, atol=0)
-    # Every rank also reads every peer's result.
-    out = torch.empty(numel, dtype=torch.float32)
-    for peer in range(world_size):
-        t.get(name, peer, 0, out)
-        torch.testing.assert_close(out.to(torch.float64), expected[peer], rtol=0, atol=0)
-    t.fence()  # nobody reuses the buffer before every rank has read it
-
-
-def _owner_data(owner: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(7919 * owner + 17)
-    if dtype.is_floating_point:
-        return torch.randn(numel, generator=gen).to(dtype)
-    return torch.randint(-(2**30), 2**30, (numel,), generator=gen).to(dtype)
-
-
-def _check_get(t: ShmTransport) -> None:
-    rank, world_size = t.rank, t.world_size
-    numel = 1000
-    dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.int64)
-    for dtype in dtypes:
-        t.register(f"get_{dtype}", numel, dtype).copy_(_owner_data(rank, numel, dtype))
-    t.fence()
-    gen = torch.Generator().manual_seed(rank)
-    for dtype in dtypes:
-        for peer in range(world_size):
-            owner = _owner_data(peer, numel, dtype)
-            for _ in range(5):
-                size = int(torch.randint(0, numel + 1, (1,), generator=gen))
-                offset = int(torch.randint(0, numel - size + 1, (1,), generator=gen))
-                out = torch.full((size,), 3, dtype=dtype)
-                t.get(f"get_{dtype}", peer, offset, out)
-                assert torch.equal(
-                    out.view(torch.uint8), owner[offset : offset + size].view(torch.uint8)
-                )
-
-
-def _check_fence_orders_writes(t: ShmTransport) -> None:
-    shard = t.register("fence", 4096, torch.float32)
-    out = torch.empty(4096)
-    for round_ in range(6):
-        writer = round_ % t.world_size
-        value = float(100 * round_ + writer + 1)
-        if t.rank == writer:
-            shard.fill_(value)
-        t.fence()
-        t.get("fence", writer, 0, out)
-        assert torch.equal(out, torch.full_like(out, value)), (round_, out[:4])
-        t.fence()  # nobody overwrites before every rank has read
 
 
 def _check_errors(t: ShmTransport, shm_dir: str) -> None:
@@ -239,16 +163,16 @@ def _run_main(rank: int, world_size: int, dead_pid: int, mode: str) -> None:
 
     t.register("acc", SHARD_NUMEL, torch.float32)
     _assert_no_files(shm_dir)
-    _check_accumulate(t, "acc", SHARD_NUMEL, NUM_ACC_OPS, seed=1)
-    _check_get(t)
-    _check_fence_orders_writes(t)
+    check_accumulate(t, "acc", SHARD_NUMEL, NUM_ACC_OPS, seed=1)
+    check_get(t)
+    check_fence_orders_writes(t)
     _check_errors(t, shm_dir)
     t.close()
 
     # Default (1 MiB) stripes, fewer but larger operations.
     with ShmTransport(accumulate_mode=mode) as t:
         t.register("acc", DEFAULT_STRIPE_SHARD_NUMEL, torch.float32)
-        _check_accumulate(t, "acc", DEFAULT_STRIPE_SHARD_NUMEL, NUM_ACC_OPS_DEFAULT_STRIPE, seed=2)
+        check_accumulate(t, "acc", DEFAULT_STRIPE_SHARD_NUMEL, NUM_ACC_OPS_DEFAULT_STRIPE, seed=2)
     _check_two_jobs_and_close(rank, world_size, shm_dir, mode)
     _assert_no_files(shm_dir)
 
@@ -270,31 +194,6 @@ def test_shm_transport(world_size: int, mode: str) -> None:
     run_ranks(_run_main, world_size, _dead_pid(), mode, timeout_s=300)
 
 
-ARRIVAL_NUMEL = 20_000
-ARRIVAL_PUSHES = 3  # per source and owner, overlapping random ranges
-ARRIVAL_STEP_S = 0.03  # delay between consecutive ranks of one repetition's arrival order
-
-
-def _arrival_pushes(src: int, world_size: int, seed: int) -> list[tuple[int, int, torch.Tensor]]:
-    """``(owner, offset, values)`` of source ``src``: random fp32 of mixed magnitudes, reproducibly."""
-    gen = torch.Generator().manual_seed(seed * 1000 + src)
-    pushes = []
-    for owner in range(world_size):
-        for _ in range(ARRIVAL_PUSHES):
-            lo = int(torch.randint(0, ARRIVAL_NUMEL // 2, (1,), generator=gen))
-            hi = int(torch.randint(ARRIVAL_NUMEL // 2, ARRIVAL_NUMEL + 1, (1,), generator=gen))
-            scale = 10 ** (torch.rand(hi - lo, generator=gen) * 2 - 2)  # 0.01 .. 1
-            values = torch.randn(hi - lo, generator=gen) * scale
-            pushes.append((owner, lo, values.to(torch.bfloat16 if src == 1 else torch.float32)))
-    return pushes
-
-
-def _arrival_order(world_size: int, repetition: int, seed: int) -> list[int]:
-    """The ranks in the order they push in ``repetition``: a random order, reversed for the second."""
-    order = random.Random(seed).sample(range(world_size), world_size)
-    return order if repetition % 2 == 0 else order[::-1]
-
-
 def _run_arrival_orders(rank: int, world_size: int, mode: str, seed: int) -> list[bytes]:
     """Accumulate the same random sums twice, the ranks arriving in different orders; returns this
     owner's shard after each repetition, as bytes."""
@@ -313,34 +212,15 @@ def _run_arrival_orders(rank: int, world_size: int, mode: str, seed: int) -> lis
     )  # no staging slots for a read-only one
     assert sorted(t._staging_views) == (["grad"] if mode == "deterministic" else [])
     _assert_no_files(shm_dir)
-    pushes = _arrival_pushes(rank, world_size, seed)
-    expected = torch.zeros(ARRIVAL_NUMEL, dtype=torch.float64)
-    for src in range(world_size):
-        for owner, lo, values in _arrival_pushes(src, world_size, seed):
-            if owner == rank:
-                expected[lo : lo + values.numel()] += values.double()
-    results = []
-    for repetition in range(2):
-        shard.fill_(0.25)
-        t.fence()  # every owner has reset its shard before anyone accumulates
-        position = _arrival_order(world_size, repetition, seed).index(rank)
-        jitter = random.Random(seed * 7 + 10 * repetition + rank)
-        time.sleep(position * ARRIVAL_STEP_S + jitter.uniform(0, ARRIVAL_STEP_S / 4))
-        for k in range(world_size):  # start at a different owner on every rank
-            owner = (rank + k) % world_size
-            for peer, lo, values in pushes:
-                if peer == owner:
-                    t.accumulate("grad", owner, lo, values)
-        t.fence()
-        torch.testing.assert_close(shard.double(), expected + 0.25, rtol=0, atol=1e-5)
-        results.append(shard.numpy().tobytes())
+
+    def drained() -> None:
         if mode == "deterministic":
-            # Drained: every slot zero and every dirty flag down, so that a fence with no accumulate
-            # before it (the one after the optimizer step) reduces nothing.
+            # Every slot zero and every dirty flag down, so that a fence with no accumulate before it
+            # (the one after the optimizer step) reduces nothing.
             assert int(t._staging_views["grad"][rank].count_nonzero()) == 0
             assert int(t._ctrl_dirty.count_nonzero()) == 0
-            t.fence()
-            torch.testing.assert_close(shard.double(), expected + 0.25, rtol=0, atol=1e-5)
+
+    results = sum_in_two_arrival_orders(t, shard, seed, drained)
     t.close()
     _assert_no_files(shm_dir)
     return results
