@@ -30,7 +30,7 @@ def test_defaults_are_valid_and_frozen() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "flag"),
     [
-        ({"transport": "mpi"}, "--odc-transport 'mpi' is not one of auto"),
+        ({"transport": "nccl"}, "--odc-transport 'nccl' is not one of auto"),
         ({"cuda_accumulate": "fast"}, "--odc-cuda-accumulate 'fast'"),
         ({"bucket_size": 0}, "--odc-bucket-size must be a number > 0"),
         ({"bucket_size": 2.5}, "--odc-bucket-size must be an integer"),
