@@ -3,8 +3,8 @@
 :func:`megatron_lm_skip_reason` says why the ``MEGATRON_LM_PATH`` tests cannot run (no path, or an import
 of what ``pretrain_gpt.py`` needs fails, e.g. a Megatron-LM dependency that ``pip install -e
 .[megatron-lm]`` brings); the ``megatron_lm_path`` fixture (``tests/integration/conftest.py``) skips with
-it. :func:`pretrain_gpt_losses` runs ``pretrain_gpt.py`` on 2 CPU ranks, through the launcher or as a
-patched tree's own script, and returns the printed losses.
+it. :func:`pretrain_gpt_losses` runs ``pretrain_gpt.py`` on CPU ranks (2 by default) under torchrun or
+``mpiexec``, through the launcher or as a patched tree's own script, and returns the printed losses.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from megatron_odc.integration.megatron_lm.flags import CPU_FLAGS
+from tests._mpi import mpi_env, mpiexec_command
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MEGATRON_LM_PATH_ENV = "MEGATRON_LM_PATH"
@@ -95,19 +96,32 @@ def pretrain_gpt_losses(
     iterations: range = range(1, 7),
     args: tuple[str, ...] = E2E_ARGS,
     script: Path | None = None,
+    nproc: int = 2,
+    mpiexec: bool = False,
+    env: dict[str, str] | None = None,
+    log_holds: tuple[str, ...] = (),
 ) -> dict[int, float]:
-    """``{iteration: lm loss}`` of a 2-rank CPU run of ``pretrain_gpt.py --dp-backend backend``.
+    """``{iteration: lm loss}`` of an ``nproc``-rank CPU run of ``pretrain_gpt.py --dp-backend backend``.
 
     Through ``python -m megatron_odc.launch`` by default; ``script`` runs that file itself instead
-    (a patched Megatron-LM tree's, without the launcher).
+    (a patched Megatron-LM tree's, without the launcher). Under torchrun, or with ``mpiexec`` under
+    ``mpiexec -n nproc`` (``tests/_mpi.py``; the caller passes ``--odc-transport mpi``); ``env`` is
+    added to the ranks' environment. Every string of ``log_holds`` must be in the run's output.
     """
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    cmd += ["--master-port", str(_free_port())]
-    cmd += [str(script)] if script else ["-m", "megatron_odc.launch", "pretrain_gpt.py"]
-    cmd += [*args, "--dp-backend", backend, *extra]
-    proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=300)
+    main = [str(script)] if script else ["-m", "megatron_odc.launch", "pretrain_gpt.py"]
+    main += [*args, "--dp-backend", backend, *extra]
+    if mpiexec:
+        cmd = mpiexec_command(nproc, main)
+        ranks_env = mpi_env({"CUDA_DEVICE_MAX_CONNECTIONS": "1", **(env or {})})
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+        cmd += ["--master-port", str(_free_port()), *main]
+        ranks_env = {**_env(), **(env or {})}
+    proc = subprocess.run(cmd, cwd=cwd, env=ranks_env, capture_output=True, text=True, timeout=300)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     losses = {int(i): float(v) for i, v in _LOSS_RE.findall(log)}
     assert sorted(losses) == list(iterations), log[-4000:]
+    for text in log_holds:
+        assert text in log, f"{text!r} not in the log:\n{log[-4000:]}"
     return losses

@@ -11,7 +11,8 @@ the TP broadcast of the count, the balanced loader through the patched factory, 
 
 The end-to-end run of the real ``pretrain_gpt.py`` needs ``MEGATRON_LM_PATH`` and Megatron-LM's dependencies
 (skipped otherwise, with the reason: ``tests/_megatron_lm.py``): ODC
-with LB-Mini and megatron-core DDP must print the same losses (dropout off, same seed), and ODC's
+with LB-Mini and megatron-core DDP must print the same losses (dropout off, same seed), also launched
+as across nodes (``mpiexec`` with ``--odc-transport mpi``; hybrid sharding over pretend hosts), and ODC's
 ``--save`` / ``--load`` resume must print the uninterrupted run's losses.
 """
 
@@ -28,8 +29,10 @@ import pytest
 import torch
 
 from megatron_odc.integration.megatron_lm.patching import PATCH_POINTS
+from megatron_odc.transport.hosts import LOCAL_WORLD_SIZE_ENV
 from tests._dist import run_ranks
 from tests._megatron_lm import E2E_ARGS, pretrain_gpt_losses
+from tests._mpi import requires_mpi
 
 # ----------------------------------------------------------------------------- the fake Megatron-LM
 
@@ -688,6 +691,24 @@ def test_launcher_resolves_the_script(tmp_path, monkeypatch) -> None:
         resolve_script("missing.py", str(tmp_path))
 
 
+def test_launch_env_reads_the_transport_of_megatron_lm_argv(monkeypatch) -> None:
+    """``--odc-transport mpi`` in Megatron-LM's argv under torchrun is refused naming the flag (in
+    either spelling, among Megatron-LM's own flags); other transports leave the environment alone."""
+    from megatron_odc.integration.megatron_lm.flags import apply_megatron_lm_launch_env
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    for argv in (
+        ["--lr", "1e-3", "--odc-transport", "mpi"],
+        ["--odc-transport=mpi", "--mock-data"],
+    ):
+        with pytest.raises(ValueError, match="--odc-transport mpi was started under torchrun"):
+            apply_megatron_lm_launch_env(argv)
+    before = dict(os.environ)
+    apply_megatron_lm_launch_env(["--lr", "1e-3", "--odc-transport", "shm", "--dp-backend", "odc"])
+    apply_megatron_lm_launch_env(["--lr", "1e-3"])
+    assert dict(os.environ) == before
+
+
 # ----------------------------------------------------------------------------- end to end
 
 
@@ -742,6 +763,36 @@ def test_pretrain_gpt_odc_checkpoint_resumes_under_distopt(tmp_path) -> None:
     # The second logged iteration prints the mean of both (see test_pretrain_gpt_save_and_resume_odc).
     assert resumed[5] == pytest.approx((full[4] + full[5]) / 2, rel=1e-5), (resumed, full)
     assert resumed[6] == pytest.approx(full[6], rel=1e-5), (resumed, full)
+
+
+@requires_mpi
+@pytest.mark.usefixtures("megatron_lm_path")
+@pytest.mark.timeout(900)
+def test_pretrain_gpt_multinode_launches_equal_ddp(tmp_path) -> None:
+    """The README's multi-node launches of ``pretrain_gpt.py``, on this machine: full sharding over
+    ``mpiexec`` with ``--odc-transport mpi`` (rank, world and rendezvous from MPI), and hybrid sharding
+    over 2 pretend hosts x 2 ranks under torchrun (shard groups of 2, replicas summed once per
+    minibatch) print megatron-core DDP's losses."""
+    ddp = pretrain_gpt_losses("ddp", tmp_path)
+    mpi = pretrain_gpt_losses(
+        "odc",
+        tmp_path,
+        "--odc-transport",
+        "mpi",
+        mpiexec=True,
+        log_holds=("wrapped in ODCDataParallel (transport mpi)",),
+    )
+    hybrid = pretrain_gpt_losses(
+        "odc",
+        tmp_path,
+        nproc=4,
+        env={LOCAL_WORLD_SIZE_ENV: "2"},
+        log_holds=("ODC hybrid sharding: 2 shard groups of 2 ranks",),
+    )
+    for it, loss in ddp.items():
+        assert mpi[it] == pytest.approx(loss, rel=1e-5), (it, mpi, ddp)
+        assert hybrid[it] == pytest.approx(loss, rel=1e-5), (it, hybrid, ddp)
+    assert ddp[1] != ddp[6]  # training moved
 
 
 _REAL_VALIDATE = """

@@ -4,7 +4,9 @@
 builds ``ODCDataParallel`` with Megatron-LM's ``DistributedDataParallelConfig`` and the ``ODCConfig`` of
 the ``--odc-*`` flags; the global is restored afterwards. :func:`wrap_get_megatron_optimizer`: an
 :class:`ODCChainedOptimizer` over one ``ODCOptimizer`` when every chunk is ODC. Both route Megatron-LM's
-checkpointing of the chunks through ODC's (``checkpointing.py``).
+checkpointing of the chunks through ODC's (``checkpointing.py``). :func:`close_odc_chunks` releases the
+transports of the chunks built (the launcher calls it when the script ends normally: Megatron-LM
+never closes its model, and an ``mpi`` transport's windows would otherwise outlive ``MPI_Finalize``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,21 @@ from megatron_odc.mcore.data_parallel import ODCDataParallel
 from megatron_odc.mcore.optimizer import ODCOptimizer
 
 logger = logging.getLogger(__name__)
+
+_BUILT: list[ODCDataParallel] = []
+"""The ``ODCDataParallel`` chunks :func:`wrap_get_model` built and :func:`close_odc_chunks` has not closed."""
+
+
+def close_odc_chunks() -> int:
+    """Release the transport of every chunk built so far; returns how many were closed.
+
+    Collective over each chunk's DP group (every rank calls it once training has ended on all of
+    them); the ``mpi`` transport's close waits ``--odc-timeout-s`` at most for its peers.
+    """
+    closed = len(_BUILT)
+    while _BUILT:
+        _BUILT.pop(0).close()
+    return closed
 
 
 def wrap_get_model(original: Callable, training: Any) -> Callable:
@@ -50,6 +67,7 @@ def wrap_get_model(original: Callable, training: Any) -> Callable:
         wrapped = [c for c in model if isinstance(c, ODCDataParallel)]
         for chunk in wrapped:
             install_megatron_lm_checkpointing(chunk)
+        _BUILT.extend(wrapped)
         if wrapped:
             logger.info(
                 "--dp-backend %s: %d model chunk(s) wrapped in ODCDataParallel (transport %s)",

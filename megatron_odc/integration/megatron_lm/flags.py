@@ -5,8 +5,11 @@
 ``validate_args``: for ``odc`` / ``fsdp`` it turns on per-token loss and TP-only amax reduction, keeps
 Megatron-LM's own distributed optimizer and overlap options off, resolves ``--balance`` for Megatron-LM's
 fixed ``[micro_batch_size, seq_length]`` microbatches and refuses what does not combine; for ``ddp`` /
-``distopt`` it sets Megatron-LM's own flags. :func:`wrap_parse_args` / :func:`wrap_validate_args` are
-the two patches that apply them. :data:`CPU_FLAGS` are the flags Megatron-LM needs without CUDA, which
+``distopt`` it sets Megatron-LM's own flags. :func:`apply_megatron_lm_launch_env` runs first, before
+Megatron-LM reads ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` (in ``parse_args``) and ``MASTER_ADDR`` /
+``MASTER_PORT`` (``env://`` in ``initialize_megatron``): under ``mpiexec`` with ``--odc-transport mpi`` it
+sets them from MPI's, and it refuses ``mpi`` under torchrun (``runner/launch_env.py``, the plugin entry's
+own path). :func:`wrap_parse_args` / :func:`wrap_validate_args` are the two patches that apply them. :data:`CPU_FLAGS` are the flags Megatron-LM needs without CUDA, which
 :func:`with_cpu_flags` adds where the user did not set them.
 """
 
@@ -15,13 +18,15 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
 
 import torch
 
 from megatron_odc.balance.plan import PLAN_KINDS
 from megatron_odc.core.fp8 import check_fp8_flags
 from megatron_odc.mcore.config import ODC_ENGINE_BACKENDS, refuse_unsupported
+from megatron_odc.runner.launch_env import apply_launch_env
 from megatron_odc.runner.odc_flags import MEGATRON_SAMPLER, add_odc_arguments, resolve_odc_args
 
 logger = logging.getLogger(__name__)
@@ -66,6 +71,22 @@ def add_odc_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """
     add_odc_arguments(parser, dp_backend_default=None, balance_choices=BALANCE_CHOICES)
     return parser
+
+
+def apply_megatron_lm_launch_env(argv: Sequence[str]) -> None:
+    """torch's launch variables for the ``--odc-transport`` of Megatron-LM's ``argv`` (without the
+    script's name): from MPI's under ``mpiexec`` with ``mpi``, nothing for other transports.
+
+    ``argv`` is read with ODC's own flag group (Megatron-LM's other flags are left alone); a second
+    call finds ``MASTER_ADDR`` / ``MASTER_PORT`` set and keeps them, so every call agrees.
+
+    Raises:
+        ValueError: ``--odc-transport mpi`` outside an MPI launch, or without mpi4py (the flag named).
+    """
+    probe = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    add_odc_args(probe)
+    known, _ = probe.parse_known_args(list(argv))
+    apply_launch_env(known.odc_transport)
 
 
 def postprocess_odc_args(args: argparse.Namespace) -> argparse.Namespace:
@@ -138,10 +159,13 @@ def postprocess_odc_args(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def wrap_parse_args(original: Callable) -> Callable:
-    """``parse_args`` with ODC's flags added and :func:`postprocess_odc_args` applied."""
+    """``parse_args`` with ODC's flags added and :func:`postprocess_odc_args` applied, after
+    :func:`apply_megatron_lm_launch_env` for the ``sys.argv`` it parses."""
 
     @functools.wraps(original)
     def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+        apply_megatron_lm_launch_env(sys.argv[1:])
+
         def provider(parser):
             if extra_args_provider is not None:
                 parser = extra_args_provider(parser)
