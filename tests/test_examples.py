@@ -2,12 +2,16 @@
 
 - Every ``examples/*.sh`` (``_*.sh`` are sourced helpers) is executable, passes ``bash -n`` and opens
   with the header ``examples/README.md`` describes (title, Shows, Needs, Takes, ``set -euo pipefail``).
-- Every example whose ``Needs`` is exactly ``cpu`` runs at its tiny size (``EXAMPLE_TINY=1``, outputs
+- Every example whose ``Needs`` is ``cpu`` (and ``mpi``: it launches with ``mpiexec``) runs at its tiny size (``EXAMPLE_TINY=1``, outputs
   under a temporary ``EXAMPLE_DIR``) and its verification line is checked against its own logs:
   the quick start's ODC and DDP losses agree to 1e-5 at every iteration; the finetune starts from the
   pretrained weights (its first loss is near the pretrain's last, far below a fresh model's); the
   TensorBoard example's event file holds the text log's first and final losses. Examples without
   a check of their own must exit 0 and end with a line holding a number.
+- The multi-node examples run both launches on this machine: hybrid sharding over 2 pretend hosts x 2
+  ranks (``torchrun --nnodes 2``, two node processes) and full sharding under ``mpiexec`` with
+  ``--odc-transport mpi``; each equals megatron-core DDP and its log names the topology it ran.
+- Examples that need ``mpiexec`` (``mpi``) are skipped without mpi4py / mpiexec.
 - Examples that need Megatron-LM run only when ``MEGATRON_LM_PATH`` is set; GPU / TransformerEngine
   examples cannot run here, so every ``--flag`` they pass to ``python -m megatron_odc.train`` must be
   one its parser (``runner/arguments.py``) knows.
@@ -28,11 +32,12 @@ from pathlib import Path
 import pytest
 
 from megatron_odc.runner.arguments import build_parser
+from tests._mpi import MPIEXEC
 from tests.runner.test_trainer import SUMMARY_LINE
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SCRIPTS = sorted(p for p in EXAMPLES.glob("*.sh") if not p.name.startswith("_"))
-NEEDS = {"cpu", "gpu", "te", "megatron-lm"}
+NEEDS = {"cpu", "gpu", "te", "megatron-lm", "mpi"}
 HEADER = [
     re.compile(r"#!/usr/bin/env bash$"),
     re.compile(r"# (?P<title>\S.*)$"),
@@ -212,13 +217,27 @@ def _check_hf_roundtrip(out: str, outdir: Path) -> None:
     assert _number(line, "moved the logits by") > 1e-3, line
 
 
-def _check_megatron_lm(out: str, outdir: Path) -> None:
+def _check_odc_equals_ddp(out: str, outdir: Path, *odc_log_holds: str) -> None:
+    """odc.log and ddp.log hold the same losses, the closing line says so, and odc.log holds each of
+    ``odc_log_holds``."""
     odc, ddp = _logged_losses(outdir / "odc.log"), _logged_losses(outdir / "ddp.log")
     assert odc, f"no lm loss in {outdir / 'odc.log'}"
     assert sorted(odc) == sorted(ddp), (odc, ddp)
     for it in odc:
         assert odc[it] == pytest.approx(ddp[it], rel=1e-5), (it, odc[it], ddp[it])
     _verification(out, "odc and ddp printed the same losses")
+    log = (outdir / "odc.log").read_text()
+    for text in odc_log_holds:
+        assert text in log, f"{text!r} not in odc.log:\n{log[-3000:]}"
+
+
+def _check_hybrid(out: str, outdir: Path) -> None:
+    hybrid = "ODC: --odc-transport shm | sharded over 2 ranks x 2 replicas (hybrid sharding)"
+    _check_odc_equals_ddp(out, outdir, hybrid)
+
+
+def _check_mpi(out: str, outdir: Path) -> None:
+    _check_odc_equals_ddp(out, outdir, "ODC: --odc-transport mpi | sharded over 2 ranks\n")
 
 
 CHECKS: dict[str, Callable[[str, Path], None]] = {
@@ -226,12 +245,20 @@ CHECKS: dict[str, Callable[[str, Path], None]] = {
     "pretrain_distopt_finetune_odc": _check_pretrain_finetune,
     "tensorboard_cpu": _check_tensorboard,
     "hf_sft_roundtrip": _check_hf_roundtrip,
-    "megatron_lm_pretrain_gpt_cpu": _check_megatron_lm,
+    "megatron_lm_pretrain_gpt_cpu": _check_odc_equals_ddp,
+    "multinode_hybrid_torchrun": _check_hybrid,
+    "multinode_mpi_full_shard": _check_mpi,
 }
 """Example -> the check of its verification line and logs (``out``, ``EXAMPLE_DIR``)."""
-SLOW = {"pretrain_distopt_finetune_odc", "hf_sft_roundtrip"}
+SLOW = {
+    "pretrain_distopt_finetune_odc",
+    "hf_sft_roundtrip",
+    "multinode_hybrid_torchrun",
+    "multinode_mpi_full_shard",
+}
 """Examples longer than 30 s at their tiny size (a torch_dist save, 4 ranks on 2 cores; the HF round
-trip, whose parts tests/mcore/test_hf_bridge.py covers in CI): --runslow."""
+trip, whose parts tests/mcore/test_hf_bridge.py covers in CI; the multi-node launches, whose paths
+tests/mcore/test_hybrid.py and tests/runner/test_trainer.py's mpiexec run cover in CI): --runslow."""
 
 
 def _check_generic(out: str, outdir: Path) -> None:
@@ -245,6 +272,12 @@ def _runnable(script: Path):
     marks = []
     if script.stem in SLOW:
         marks.append(pytest.mark.slow)
+    if "mpi" in needs:
+        marks.append(
+            pytest.mark.skipif(
+                MPIEXEC is None, reason="needs mpi4py and mpiexec (requirements.txt)"
+            )
+        )
     if "megatron-lm" in needs:
         marks.append(
             pytest.mark.skipif(
@@ -256,7 +289,9 @@ def _runnable(script: Path):
 
 
 CPU_SCRIPTS = [
-    _runnable(s) for s in SCRIPTS if "cpu" in _needs(s) and _needs(s) <= {"cpu", "megatron-lm"}
+    _runnable(s)
+    for s in SCRIPTS
+    if "cpu" in _needs(s) and _needs(s) <= {"cpu", "megatron-lm", "mpi"}
 ]
 
 

@@ -188,6 +188,14 @@ class Trainer:
             if args.dp_backend in ODC_ENGINE_BACKENDS
             else None,
         )
+        topology = getattr(self.model, "topology", None)  # ODCDataParallel's shard x replica split
+        if topology is not None:
+            logger.info(
+                "ODC: --odc-transport %s | sharded over %d ranks%s",
+                self.model.transport_name,
+                topology.shard_size,
+                f" x {topology.replica_size} replicas (hybrid sharding)" if topology.hybrid else "",
+            )
         self.scheduler = optimizer_setup.scheduler(args, self.optimizer)
         # Rank 0 writes the text log, so it writes TensorBoard / wandb: the same numbers.
         self.metrics = MetricsWriter.open(args) if dist.get_rank() == 0 else None
