@@ -89,11 +89,12 @@ def test_probe_of_installed_torch_matches_hasattr() -> None:
 def test_choose_backend() -> None:
     assert choose_backend(1, FULL) == "CUDA"
     assert choose_backend(1, FULL, "CUDA") == "CUDA"
-    with pytest.raises(ValueError, match="collective"):
-        choose_backend(2, FULL)  # several hosts, no NVSHMEM: names the fallback
-    nvshmem = SymmMemFeatures(True, True, True, has_set_backend=True, nvshmem_available=True)
-    with pytest.raises(ValueError, match=r"not implemented.*collective"):
-        choose_backend(2, nvshmem)
+    with pytest.raises(
+        ValueError, match=r"spans 2 hosts; use odc_transport='nvshmem'.*'collective'"
+    ):
+        choose_backend(2, FULL)  # several hosts: names the inter-node transports
+    with pytest.raises(ValueError, match=r"'NVSHMEM' is not 'CUDA'.*odc_transport='nvshmem'"):
+        choose_backend(1, FULL, "NVSHMEM")  # the NVSHMEM backend is the nvshmem transport's
     with pytest.raises(ValueError, match=r"empty\(\) and rendezvous"):
         choose_backend(1, SymmMemFeatures(importable=True))
     with pytest.raises(ValueError, match="'NCCL'"):
