@@ -30,6 +30,14 @@ from megatron_odc.transport.nvshmem import (
 )
 from megatron_odc.transport.staging import owner_reduce_order, staging_numel
 from tests._dist import RankFailureError, run_ranks
+from tests.transport._cases import (
+    ARRIVAL_NUMEL,
+    check_accumulate,
+    check_fence_orders_writes,
+    check_get,
+    check_late_peer_named,
+    sum_in_two_arrival_orders,
+)
 
 PRETEND_HOSTS_OF_2 = {"MEGATRON_ODC_LOCAL_WORLD_SIZE": "2"}
 ONE_RANK_PER_HOST = {"MEGATRON_ODC_LOCAL_WORLD_SIZE": "1"}
@@ -124,9 +132,10 @@ def test_auto_picks_nvshmem_for_gpus_across_hosts_where_available(monkeypatch) -
 
 # ---------------------------------------------------------------------- 4 ranks on 2 pretend hosts
 
-N = 37
-BOUNCE = 64  # bytes: 16 fp32 per bounce, so every transfer of more than 16 elements is chunked
+N = 600
+BOUNCE = 1024  # bytes: 256 fp32 per bounce, so the transfers of N elements are chunked
 PUSHES = (0, 1, 3, 2)  # per source: how many times it pushes into every owner (rank 0 never pushes)
+ENGINE_COUNTS = [1, 3, 0, 2]  # microbatches per rank in the engine run (rank 2 has none)
 
 
 def _pushes(src: int, world_size: int, integer: bool) -> list[tuple[int, int, torch.Tensor]]:
@@ -150,13 +159,26 @@ def _slot_oracle(owner: int, src: int, world_size: int, integer: bool) -> torch.
     return slot
 
 
-def _run_four_ranks(rank: int, world_size: int) -> list[dict]:
+def _heap_nbytes(t: NvshmemTransport) -> int:
+    """What the transport must have allocated: bounce buffers, shards, one slot per source per fp32
+    accumulate buffer."""
+    total = 2 * t.bounce_nbytes
+    for name in t.buffer_names:
+        spec = t.spec(name)
+        total += max(spec.numel, 1) * spec.dtype.itemsize
+        if spec.accumulate and spec.dtype == torch.float32:
+            total += max(staging_numel(t.world_size, spec.numel), 1) * 4
+    return total
+
+
+def _run_four_ranks(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
 
     from megatron_odc.core.groups import build_topology
     from tests._fake_cuda import install_fake_cuda
 
     fake = install_fake_cuda(nvshmem=True)
+    calls = fake.nvshmem_ops.calls
     try:
         # The registry: a shard group inside a pretend host stays on cuda; one across hosts is nvshmem.
         gpu = torch.device("cuda", 0)
@@ -168,39 +190,26 @@ def _run_four_ranks(rank: int, world_size: int) -> list[dict]:
         t = build_transport("nvshmem", None, timeout_s=30.0, bounce_nbytes=BOUNCE)
         assert isinstance(t, NvshmemTransport)
         assert fake.backends == ["NVSHMEM"]
-        p = t.register("p", N, torch.float32, accumulate=False)
-        b = t.register("b", N, torch.bfloat16, accumulate=False)
-        g = t.register("g", N, torch.float32)
+        # Gets of every dtype at random offsets; the peers of the other host through NVSHMEM only.
+        check_get(t)
         other_host = {2, 3} if rank < 2 else {0, 1}
         assert t.remote == other_host, t.remote
-        assert sorted(t._staging) == ["g"]  # staging slots for the accumulate target only
-        assert t.heap_nbytes == 2 * BOUNCE + N * (4 + 2 + 4) + staging_numel(world_size, N) * 4
-
-        # Gets: whole-bucket gather (local and NVSHMEM peers), partial gets at offsets, bf16.
-        p.copy_(torch.arange(N) + 100.0 * rank)
-        b.copy_((torch.arange(N) % 8 + rank).to(torch.bfloat16))
-        t.fence()
-        fake.nvshmem_ops.calls.clear()
-        gathered = torch.empty(world_size * N)
-        t.gather_shards("p", gathered)
-        expected = torch.cat([torch.arange(N) + 100.0 * r for r in range(world_size)])
-        assert torch.equal(gathered, expected)
-        for peer in range(world_size):
-            part = torch.empty(20, dtype=torch.bfloat16)
-            t.get("b", peer, 7, part)
-            assert torch.equal(part, ((torch.arange(N) % 8 + peer).to(torch.bfloat16))[7:27])
-        pes = {pe for _, pe in fake.nvshmem_ops.calls}
-        assert pes == other_host, fake.nvshmem_ops.calls  # this host's peers: load / store
-        assert not any(op == "put" for op, _ in fake.nvshmem_ops.calls)
+        assert {pe for _, pe in calls} == other_host, calls
+        assert not any(op == "put" for op, _ in calls)
 
         # Exact sums with uneven push counts (0, 1, 3, 2 pushes per owner), overlapping ranges.
-        fake.nvshmem_ops.calls.clear()
+        g = t.register("g", N, torch.float32)
+        t.register("p", N, torch.float32, accumulate=False)
+        assert "p" not in t._staging  # no staging slots for a buffer peers only read
+        assert t.heap_nbytes == _heap_nbytes(t)
+        t.fence()
+        calls.clear()
         for owner, lo, values in _pushes(rank, world_size, integer=True):
             t.accumulate("g", owner, lo, values)
         # A push into a range written since the fence reads it back first (a get); the first does not.
-        repeats = {pe for (op, pe) in fake.nvshmem_ops.calls if op == "get"}
-        assert repeats == (other_host if PUSHES[rank] > 1 else set()), fake.nvshmem_ops.calls
-        t.accumulate("g", (rank + 2) % world_size, 30, torch.ones(5, dtype=torch.bfloat16))
+        repeats = {pe for (op, pe) in calls if op == "get"}
+        assert repeats == (other_host if PUSHES[rank] > 1 else set()), calls
+        t.accumulate("g", (rank + 2) % world_size, N - 7, torch.ones(5, dtype=torch.bfloat16))
         dist.barrier()  # every source has pushed; no owner has reduced
         slots = t._staging["g"][0].view(world_size, N).clone()
         dist.barrier()
@@ -209,34 +218,33 @@ def _run_four_ranks(rank: int, world_size: int) -> list[dict]:
         for src in owner_reduce_order(world_size):
             slot = _slot_oracle(rank, src, world_size, integer=True)
             if (src + 2) % world_size == rank:
-                slot[30:35] += 1.0
+                slot[N - 7 : N - 2] += 1.0
             assert torch.equal(slots[src], slot), f"slot of source {src} at owner {rank}"
             exact += slot
         assert torch.equal(g, exact)
-        assert int(t._staging["g"][0].count_nonzero()) == 0, "the fence zeroes the slots"
-
-        # Random sums: the fixed-order oracle bitwise, and the same bits when the calls come in
-        # another order (owners visited backwards, ranks starting at different times).
-        runs = []
-        for trial in range(2):
-            g.zero_()
-            t.fence()
-            pushes = _pushes(rank, world_size, integer=False)
-            if trial:
-                time.sleep(0.05 * (world_size - rank))
-                by_owner = sorted(
-                    pushes, key=lambda item: -item[0]
-                )  # stable: a source's order kept
-                pushes = by_owner
-            for owner, lo, values in pushes:
-                t.accumulate("g", owner, lo, values)
-            t.fence()
-            runs.append(g.clone())
+        # Random sums: exactly the slots added in source order.
+        g.zero_()
+        t.fence()
+        for owner, lo, values in _pushes(rank, world_size, integer=False):
+            t.accumulate("g", owner, lo, values)
+        t.fence()
         oracle = torch.zeros(N)
         for src in owner_reduce_order(world_size):
             oracle = oracle + _slot_oracle(rank, src, world_size, integer=False)
-        assert torch.equal(runs[0], oracle), float((runs[0] - oracle).abs().max())
-        assert torch.equal(runs[0], runs[1]), "another call order changed the bits"
+        assert torch.equal(g, oracle), float((g - oracle).abs().max())
+
+        # The shared transport cases: exact fp32 / bf16 / fp16 sums, fences order writes, and random
+        # sums bitwise equal whatever the arrival order.
+        t.register("acc", 300, torch.float32)
+        check_accumulate(t, "acc", 300, 3, seed=1)
+        check_fence_orders_writes(t)
+        grad = t.register("grad", ARRIVAL_NUMEL, torch.float32)
+
+        def drained() -> None:
+            assert all(int(s.count_nonzero()) == 0 for s, _ in t._staging.values())
+
+        first, second = sum_in_two_arrival_orders(t, grad, 3, drained)
+        assert first == second, f"owner {rank}: the sums differ between arrival orders"
 
         with pytest.raises(ValueError, match=r"accumulate=False"):
             t.accumulate("p", 0, 0, torch.ones(2))
@@ -245,83 +253,52 @@ def _run_four_ranks(rank: int, world_size: int) -> list[dict]:
         t.close()
         with pytest.raises(TransportError, match="is closed"):
             t.fence()
-        return _engine_runs(rank, fake)
+        return _engine_run(rank, calls)
     finally:
         fake.revert()
 
 
-ENGINE_COUNTS = [1, 3, 0, 2]
-"""Microbatches per rank in the engine run (rank 2 has none)."""
+def _engine_run(rank: int, calls) -> dict:
+    """The engine test's model, fetched and pushed through NvshmemTransport for one minibatch."""
+    from tests.core.test_engine import _owned_grads, one_minibatch
 
-
-def _engine_runs(rank: int, fake) -> list[dict]:
-    """The plain-torch engine test's model, fetched and pushed through NvshmemTransport twice (the same
-    minibatch: staged sums must repeat bitwise); the peers on the other pretend host go through
-    NVSHMEM get / put."""
-    from megatron_odc.core.engine import ODCEngine
-    from megatron_odc.core.hooks import ODCHooks
-    from tests.core.test_engine import _model, _named_params, _owned_grads, _samples
-
-    runs = []
-    for _ in range(2):
-        fake.nvshmem_ops.calls.clear()
-        transport = NvshmemTransport(None, bounce_nbytes=1024)
-        model = _model(0)
-        engine = ODCEngine(_named_params(model), transport, bucket_numel=700, alignment=4)
-        units = [(f"layers.{i}", layer) for i, layer in enumerate(model.layers)]
-        hooks = ODCHooks(engine, model, units, "root")
-        samples = _samples(1, sum(ENGINE_COUNTS))
-        start = sum(ENGINE_COUNTS[:rank])
-        engine.begin_minibatch()
-        for tokens in samples[start : start + ENGINE_COUNTS[rank]]:
-            model(tokens).backward()
-        engine.finish_minibatch()
-        puts = {pe for op, pe in fake.nvshmem_ops.calls if op == "put"}
-        runs.append({"grads": _owned_grads(engine), "puts": puts, "remote": transport.remote})
-        hooks.remove()
-        engine.close()
-    return runs
+    calls.clear()
+    transport = NvshmemTransport(None, bounce_nbytes=BOUNCE)
+    engine, hooks = one_minibatch(transport, ENGINE_COUNTS, rank)
+    puts = {pe for op, pe in calls if op == "put"}
+    run = {"grads": _owned_grads(engine), "puts": puts, "remote": transport.remote}
+    hooks.remove()
+    engine.close()
+    return run
 
 
 def test_four_ranks_on_two_pretend_hosts() -> None:
     from tests.core.test_engine import _assemble, _oracle, assert_rel_close
 
     results = run_ranks(_run_four_ranks, 4, timeout_s=240, env=PRETEND_HOSTS_OF_2)
-    # The engine over the transport: the one-process oracle's gradients, and the same bits twice.
+    # The engine over the transport: the one-process oracle's gradients.
     oracle_grads, _ = _oracle(ENGINE_COUNTS, 1)
-    got = _assemble([(runs, None) for runs in results], 0, oracle_grads[0])
+    got = _assemble([([run], None) for run in results], 0, oracle_grads[0])
     for name, expected in oracle_grads[0].items():
         assert_rel_close(got[name], expected, 1e-5, name)
-    for rank, (first, second) in enumerate(results):
+    for rank, run in enumerate(results):
         # Pushes crossed the pretend host boundary through NVSHMEM, and only it (rank 2 pushes nothing).
-        assert first["puts"] == (first["remote"] if ENGINE_COUNTS[rank] else set()), first
-        for (name, offset, a), (_, _, b) in zip(first["grads"], second["grads"], strict=True):
-            assert torch.equal(a, b), f"{name}@{offset}: the staged sums changed bits"
+        assert run["puts"] == (run["remote"] if ENGINE_COUNTS[rank] else set()), run
 
 
 # ---------------------------------------------------------------------- a late and a dead peer
 
 
 def _run_late_then_dead(rank: int, world_size: int, verdict_dir: str) -> None:
-    import torch.distributed as dist
-
     from tests._fake_cuda import install_fake_cuda
 
     del world_size
     fake = install_fake_cuda(nvshmem=True)
-    late = NvshmemTransport(timeout_s=1.0)
+    late = NvshmemTransport(timeout_s=0.5)
     late.register("g", 8, torch.float32)
-    if rank == 1:
-        time.sleep(3.0)  # alive, but not at the fence in time
-    else:
-        start = time.monotonic()
-        with pytest.raises(
-            TransportError, match=r"^rank 0: fence 1 timed out after 1 s waiting for rank\(s\) 1$"
-        ):
-            late.fence()
-        assert 1.0 <= time.monotonic() - start < 6.0
-    dist.barrier()
-    late.close()
+    check_late_peer_named(
+        late, 1, r"^rank 0: fence 1 timed out after 0.5 s waiting for rank\(s\) 1$"
+    )
 
     t = NvshmemTransport(timeout_s=60.0)
     t.register("g", 8, torch.float32)
