@@ -61,6 +61,7 @@ class FakeHandle:
         self.buffer_ptrs = [v.data_ptr() if ok else 0 for v, ok in zip(views, reachable)]
 
     def get_buffer(self, peer: int, sizes, dtype: torch.dtype, storage_offset: int = 0):
+        assert self.buffer_ptrs[peer], f"rank {peer} is on another host: no load / store mapping"
         view = self.views[peer]
         assert view.dtype == dtype, (view.dtype, dtype)
         numel = int(torch.Size(sizes).numel())
