@@ -12,6 +12,11 @@ correctness w=2/4   ``CudaSymmTransport`` in both accumulate modes (atomic, dete
                     (exact sums: a lost update shows); random fp32 sums against a float64 oracle, and in
                     deterministic mode bitwise equal across two repeats; read-only buffers refuse
                     accumulates; 4 buckets through ``OverlapSchedule`` on CUDA streams
+nvshmem w=2         ``NvshmemTransport`` (PyTorch symmetric memory, NVSHMEM backend) through the same round
+                    as the correctness check, with ``remote_peers="all"`` (every peer through the NVSHMEM
+                    get / put Triton kernels and the bounce buffers, as across nodes) and ``"auto"`` (the
+                    peer by load / store); exact and bitwise repeatable staged sums. SKIP, with the reason,
+                    where PyTorch has no NVSHMEM or Triton / NVSHMEM's device library is missing
 bandwidth w=2       rank 0 alone (rank 1 idle): get from the peer vs a device-to-device ``copy_``, and
                     accumulate (atomic, and deterministic) into the peer vs a local ``add_``; payload GB/s,
                     median of ``--repeats``; targets: get >= 0.8x copy, atomic accumulate >= 0.5x add_
@@ -102,7 +107,7 @@ def _on_device(rank: int, world_size: int, fn: Callable, rehearsal: bool, *args:
             from tests._fake_cuda import install_fake_cuda
 
             undo.callback(apply_cpu_patches().revert)
-            undo.callback(install_fake_cuda().revert)
+            undo.callback(install_fake_cuda(nvshmem=True).revert)
         else:
             torch.cuda.set_device(0)
         return fn(rank, world_size, *args)
@@ -142,78 +147,104 @@ def _run_correctness(rank: int, world_size: int, modes: list[str], fence_via: st
     from megatron_odc.transport.cuda import CudaSymmTransport
 
     report: dict[str, Any] = {}
-    n = 10007  # odd: not a multiple of any block size
     for mode in modes:
-        failures = []
         t = CudaSymmTransport(None, accumulate_mode=mode, fence_via=fence_via)
         report["features"] = str(t.features)
-        p_bf16 = t.register("p_bf16", n, torch.bfloat16, accumulate=False)
-        p_f32 = t.register("p_f32", n, torch.float32, accumulate=False)  # no staging slots for it
-        g = t.register("g", n, torch.float32)
-        p_bf16.copy_(_rank_pattern(rank, n, torch.bfloat16))
-        p_f32.copy_(_rank_pattern(rank, n, torch.float32))
-        t.fence()
-        for name, dtype in (("p_bf16", torch.bfloat16), ("p_f32", torch.float32)):
-            out = torch.empty(world_size * n, dtype=dtype, device=_device())
-            t.gather_shards(name, out)
-            expected = torch.cat([_rank_pattern(r, n, dtype) for r in range(world_size)])
-            if not torch.equal(out, expected):
-                failures.append(f"{mode}: gather_shards({name}) differs from the shards")
-        try:
-            t.accumulate("p_f32", 0, 0, torch.ones(4, device=_device()))
-            failures.append(f"{mode}: an accumulate into a read-only buffer was accepted")
-        except ValueError:
-            pass
-        if mode == "deterministic" and sorted(t._staging) != ["g"]:
-            failures.append(
-                f"deterministic: staging slots for {sorted(t._staging)}, expected ['g']"
-            )
-        peer = (rank + 1) % world_size
-        part = torch.empty(100, dtype=torch.float32, device=_device())
-        t.get("p_f32", peer, 5, part)
-        if not torch.equal(part, _rank_pattern(peer, n, torch.float32)[5:105]):
-            failures.append(f"{mode}: get at offset 5 from rank {peer} differs")
-
-        # Everyone accumulates into every owner at once, 3 times, plus a bf16 source: exact integer sums.
-        idx = torch.arange(world_size * n, device=_device())
-        for _ in range(3):
-            t.scatter_accumulate("g", ((rank + 1) * (1 + idx % 7)).float())
-        t.scatter_accumulate("g", ((idx % 5) + rank).to(torch.bfloat16))
-        t.fence()
-        mine = idx[rank * n : (rank + 1) * n]
-        total_ranks = sum(r + 1 for r in range(world_size))
-        expected = (
-            3 * total_ranks * (1 + mine % 7) + world_size * (mine % 5) + sum(range(world_size))
-        )
-        if not torch.equal(g, expected.float()):
-            bad = int((g != expected.float()).sum())
-            failures.append(f"{mode}: concurrent accumulate lost or duplicated {bad} element(s)")
-
-        # Random fp32 sums: float64 oracle; deterministic mode must repeat bitwise.
-        repeats = []
-        for _ in range(2):
-            g.zero_()
-            t.fence()
-            gen = torch.Generator(device=_device()).manual_seed(1234 + rank)
-            t.scatter_accumulate(
-                "g", torch.randn(world_size * n, device=_device(), generator=gen) * (rank + 1)
-            )
-            t.fence()
-            repeats.append(g.clone())
-        oracle = torch.zeros(n, dtype=torch.float64, device=_device())
-        for r in range(world_size):
-            gen = torch.Generator(device=_device()).manual_seed(1234 + r)
-            full = torch.randn(world_size * n, device=_device(), generator=gen) * (r + 1)
-            oracle += full[rank * n : (rank + 1) * n].double()
-        err = float((repeats[0].double() - oracle).abs().max())
-        if err > 1e-4:
-            failures.append(f"{mode}: random sums off by {err:.3g} against float64")
-        if mode == "deterministic" and not torch.equal(repeats[0], repeats[1]):
-            failures.append("deterministic: two identical runs differ bitwise")
-        failures += _overlap_round(t, rank, world_size, n, mode)
+        failures, err = _transport_round(t, rank, world_size, mode, mode == "deterministic")
         report[mode] = {"failures": failures, "max_abs_err": err}
         t.close()
     return report
+
+
+def _run_nvshmem(rank: int, world_size: int, modes: list[str]) -> dict:
+    """``_transport_round`` over ``NvshmemTransport``, for each ``remote_peers`` mode in ``modes``."""
+    from megatron_odc.transport.nvshmem import NvshmemTransport
+
+    report: dict[str, Any] = {}
+    for mode in modes:
+        t = NvshmemTransport(None, remote_peers=mode)
+        failures, err = _transport_round(t, rank, world_size, f"nvshmem {mode}", True)
+        others = set(range(world_size)) - {rank}
+        if mode == "all" and t.remote != others:
+            failures.append(
+                f"nvshmem all: peers {sorted(t.remote)} through NVSHMEM, not {sorted(others)}"
+            )
+        report[mode] = {
+            "failures": failures,
+            "max_abs_err": err,
+            "remote": sorted(t.remote),
+            "heap_nbytes": t.heap_nbytes,
+        }
+        t.close()
+    return report
+
+
+def _transport_round(t, rank: int, world_size: int, mode: str, deterministic: bool) -> tuple:
+    """Gathers, gets, exact and random concurrent accumulates and the overlap schedule on transport
+    ``t``; returns ``(failures, max abs error of the random sums)``."""
+    failures = []
+    n = 10007  # odd: not a multiple of any block size
+    p_bf16 = t.register("p_bf16", n, torch.bfloat16, accumulate=False)
+    p_f32 = t.register("p_f32", n, torch.float32, accumulate=False)  # no staging slots for it
+    g = t.register("g", n, torch.float32)
+    p_bf16.copy_(_rank_pattern(rank, n, torch.bfloat16))
+    p_f32.copy_(_rank_pattern(rank, n, torch.float32))
+    t.fence()
+    for name, dtype in (("p_bf16", torch.bfloat16), ("p_f32", torch.float32)):
+        out = torch.empty(world_size * n, dtype=dtype, device=_device())
+        t.gather_shards(name, out)
+        expected = torch.cat([_rank_pattern(r, n, dtype) for r in range(world_size)])
+        if not torch.equal(out, expected):
+            failures.append(f"{mode}: gather_shards({name}) differs from the shards")
+    try:
+        t.accumulate("p_f32", 0, 0, torch.ones(4, device=_device()))
+        failures.append(f"{mode}: an accumulate into a read-only buffer was accepted")
+    except ValueError:
+        pass
+    if deterministic and sorted(t._staging) != ["g"]:
+        failures.append(f"{mode}: staging slots for {sorted(t._staging)}, expected ['g']")
+    peer = (rank + 1) % world_size
+    part = torch.empty(100, dtype=torch.float32, device=_device())
+    t.get("p_f32", peer, 5, part)
+    if not torch.equal(part, _rank_pattern(peer, n, torch.float32)[5:105]):
+        failures.append(f"{mode}: get at offset 5 from rank {peer} differs")
+
+    # Everyone accumulates into every owner at once, 3 times, plus a bf16 source: exact integer sums.
+    idx = torch.arange(world_size * n, device=_device())
+    for _ in range(3):
+        t.scatter_accumulate("g", ((rank + 1) * (1 + idx % 7)).float())
+    t.scatter_accumulate("g", ((idx % 5) + rank).to(torch.bfloat16))
+    t.fence()
+    mine = idx[rank * n : (rank + 1) * n]
+    total_ranks = sum(r + 1 for r in range(world_size))
+    expected = 3 * total_ranks * (1 + mine % 7) + world_size * (mine % 5) + sum(range(world_size))
+    if not torch.equal(g, expected.float()):
+        bad = int((g != expected.float()).sum())
+        failures.append(f"{mode}: concurrent accumulate lost or duplicated {bad} element(s)")
+
+    # Random fp32 sums: float64 oracle; deterministic mode must repeat bitwise.
+    repeats = []
+    for _ in range(2):
+        g.zero_()
+        t.fence()
+        gen = torch.Generator(device=_device()).manual_seed(1234 + rank)
+        t.scatter_accumulate(
+            "g", torch.randn(world_size * n, device=_device(), generator=gen) * (rank + 1)
+        )
+        t.fence()
+        repeats.append(g.clone())
+    oracle = torch.zeros(n, dtype=torch.float64, device=_device())
+    for r in range(world_size):
+        gen = torch.Generator(device=_device()).manual_seed(1234 + r)
+        full = torch.randn(world_size * n, device=_device(), generator=gen) * (r + 1)
+        oracle += full[rank * n : (rank + 1) * n].double()
+    err = float((repeats[0].double() - oracle).abs().max())
+    if err > 1e-4:
+        failures.append(f"{mode}: random sums off by {err:.3g} against float64")
+    if deterministic and not torch.equal(repeats[0], repeats[1]):
+        failures.append(f"{mode}: two identical runs differ bitwise")
+    failures += _overlap_round(t, rank, world_size, n, mode)
+    return failures, err
 
 
 def _overlap_round(t, rank: int, world_size: int, n: int, mode: str) -> list[str]:
@@ -670,6 +701,38 @@ def _check_correctness(args, world_size: int) -> tuple[bool, str, dict]:
     return not failures, detail, {"results": results}
 
 
+NVSHMEM_MODES = ("all", "auto")
+"""``remote_peers`` of the nvshmem check: every peer through NVSHMEM get / put, then by load / store."""
+
+
+def _check_nvshmem(args) -> tuple[bool, str, dict]:
+    if not _REHEARSAL:  # in a rehearsal the fakes give the ranks an NVSHMEM PyTorch
+        from megatron_odc.transport.nvshmem import load_device_ops, nvshmem_unavailable_reason
+
+        reason = nvshmem_unavailable_reason()
+        if reason is None:
+            try:
+                load_device_ops()
+            except ValueError as exc:
+                reason = str(exc)
+        if reason is not None:
+            return True, f"NVSHMEM unavailable: {reason}", {"skipped": True}
+    modes = list(NVSHMEM_MODES)
+    results = run_world(_run_nvshmem, 2, modes, timeout_s=args.timeout_s)
+    failures = [
+        f"rank {r}: {f}" for r, res in enumerate(results) for m in modes for f in res[m]["failures"]
+    ]
+    err = max(res[m]["max_abs_err"] for res in results for m in modes)
+    auto_remote = [res["auto"]["remote"] for res in results]
+    detail = (
+        f"get/put through NVSHMEM (all) and load/store (auto: NVSHMEM peers {auto_remote}), "
+        f"max|err| {err:.2g}"
+        if not failures
+        else "; ".join(failures[:3])
+    )
+    return not failures, detail, {"results": results}
+
+
 def _check_bandwidth(args) -> tuple[bool, str, dict]:
     res = run_world(
         _run_bandwidth, 2, args.size_mib, args.repeats, args.fence_via, timeout_s=args.timeout_s
@@ -772,12 +835,20 @@ def _check_te_fp8(args) -> tuple[bool, str, dict]:
 CHECKS: dict[str, Callable[[argparse.Namespace], tuple[bool, str, dict]]] = {
     "correctness w=2": lambda a: _check_correctness(a, 2),
     "correctness w=4": lambda a: _check_correctness(a, 4),
+    "nvshmem w=2": _check_nvshmem,
     "bandwidth w=2": _check_bandwidth,
     "parity w=2 odc vs ddp": _check_parity,
     "fp8 emulated w=2": _check_fp8_emulated,
     "te fp8 w=2": _check_te_fp8,
 }
-RANK_FUNCTIONS = (_run_correctness, _run_bandwidth, _run_parity, _run_fp8_emulated, _run_te_fp8)
+RANK_FUNCTIONS = (
+    _run_correctness,
+    _run_nvshmem,
+    _run_bandwidth,
+    _run_parity,
+    _run_fp8_emulated,
+    _run_te_fp8,
+)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -830,6 +901,7 @@ def _dry_run(args: argparse.Namespace) -> int:
     import megatron_odc.core.fp8
     import megatron_odc.core.streams
     import megatron_odc.transport.cuda as cuda_transport
+    from megatron_odc.transport.nvshmem import nvshmem_unavailable_reason
 
     for fn in RANK_FUNCTIONS:
         pickle.dumps(fn)
@@ -864,6 +936,7 @@ def _dry_run(args: argparse.Namespace) -> int:
     sys.stdout.write(
         f"dry run: torch {torch.__version__}, cuda available {torch.cuda.is_available()}\n"
         f"symm_mem: {', '.join(cuda_transport.describe_features(feats))}\n"
+        f"nvshmem: {nvshmem_unavailable_reason(feats) or 'available'}\n"
         f"triton: {triton_state}; megatron-core: {megatron_state}; TransformerEngine: "
         f"{'importable' if megatron_odc.core.fp8.transformer_engine_available() else 'not importable'}\n"
         + "".join(f"would run: {name}\n" for name in names)

@@ -75,7 +75,8 @@ class DPTopology:
                 f"--odc-transport {transport} joins the ranks of one host, but the shard group of "
                 f"{SHARD_GROUP_SIZE_FLAG} {self.shard_size} spans {len(hosts)} hosts ({', '.join(hosts)}); "
                 f"leave {SHARD_GROUP_SIZE_FLAG} unset (the ranks of one host: hybrid sharding across "
-                "hosts), or --odc-transport mpi (launched with mpiexec) for full sharding across hosts"
+                "hosts), or for full sharding across hosts --odc-transport nvshmem (GPUs) or mpi (CPU "
+                "ranks, launched with mpiexec)"
             )
 
 

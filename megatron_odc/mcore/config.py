@@ -69,9 +69,10 @@ class ODCConfig:
     transport: str = _option(
         "auto",
         "one-sided transport: shm (CPU ranks of one host), cuda (PyTorch symmetric memory, the GPUs "
-        "of one node), mpi (MPI-3 RMA through mpi4py, across hosts; launch with mpiexec), collective "
-        "(lockstep all-gather / reduce-scatter: the fsdp baseline) or auto (cuda for a model on a "
-        "GPU, else shm)",
+        "of one node), mpi (MPI-3 RMA through mpi4py, across hosts; launch with mpiexec), nvshmem "
+        "(PyTorch symmetric memory over NVSHMEM, GPUs across nodes), collective (lockstep all-gather "
+        "/ reduce-scatter: the fsdp baseline) or auto (a shard group on one host: cuda for a model on "
+        "GPUs, else shm; across hosts: nvshmem on GPUs, mpi on CPU)",
         TRANSPORT_CHOICES,
     )
     cuda_accumulate: str = _option(
@@ -86,7 +87,7 @@ class ODCConfig:
         "fixed-order gradient sums, so that two identical runs are bitwise equal: each source adds "
         "into its own staging slot at the owner, which the owner reduces in source order at the fence "
         "(shm, cuda and mpi; memory: one fp32 gradient shard per source at each owner; the collective "
-        "transport is deterministic already)",
+        "and nvshmem transports are deterministic already)",
     )
     pushes_in_flight: int = _option(
         1, "unsharded gradient buffers whose push may still run while compute goes on"

@@ -24,8 +24,9 @@ rank holds device pointers to every peer's shard:
 
 Feature-probed, never assumed: ``probe_symm_mem`` records what the installed PyTorch offers. Nothing CUDA-only
 is imported at module level, so this module imports on CPU; constructing the transport without CUDA raises
-``ValueError``. Ranks on several hosts need the NVSHMEM backend, whose data path is not implemented here:
-``choose_backend`` refuses with a message naming the ``collective`` transport as the portable fallback.
+``ValueError``. Ranks on several hosts need PyTorch's NVSHMEM backend, which is the ``nvshmem`` transport's
+(``nvshmem.py``, a subclass of this one): ``choose_backend`` refuses a group spanning hosts, naming it and
+the portable ``collective`` fallback.
 
 The pure functions (chunking, peer rotation, kernel choice; the staging slots and the owner reduce, shared
 with the ``shm`` transport, live in ``staging.py``) carry the logic and are tested on CPU. It imports no
@@ -66,8 +67,9 @@ DEFAULT_BLOCK_NUMEL = 1024
 """Elements per Triton program of the accumulate kernel."""
 
 FALLBACK_HINT = (
-    "use odc_transport='collective' (lockstep all-gather / reduce-scatter, works across nodes) or run "
-    "the data-parallel group inside one node; 'shm' is for CPU ranks on one host only"
+    "use odc_transport='nvshmem' (one-sided across nodes, PyTorch's NVSHMEM backend) or 'collective' "
+    "(lockstep all-gather / reduce-scatter, works across nodes), or run the data-parallel group inside "
+    "one node; 'shm' is for CPU ranks on one host only"
 )
 
 
@@ -143,14 +145,15 @@ def choose_backend(num_hosts: int, features: SymmMemFeatures, requested: str | N
     Args:
         num_hosts: distinct hosts in the data-parallel group.
         features: the probe result.
-        requested: ``"CUDA"``, ``"NVSHMEM"`` or ``None`` (automatic).
+        requested: ``"CUDA"`` or ``None`` (automatic).
 
     Returns:
         ``"CUDA"`` (one host, peer pointers through CUDA IPC / VMM).
 
     Raises:
-        ValueError: symmetric memory is unusable, the request is unknown, or the group spans several
-            hosts (the NVSHMEM data path is not implemented; the message names the fallback).
+        ValueError: symmetric memory is unusable, the request is not ``"CUDA"`` (the NVSHMEM backend is
+            the ``nvshmem`` transport's), or the group spans several hosts (the message names the
+            ``nvshmem`` and ``collective`` transports).
     """
     if not features.usable:
         raise ValueError(
@@ -158,20 +161,15 @@ def choose_backend(num_hosts: int, features: SymmMemFeatures, requested: str | N
             f"rendezvous() (PyTorch >= 2.6); this PyTorch {torch.__version__} lacks them; "
             + FALLBACK_HINT
         )
-    if requested not in (None, "CUDA", "NVSHMEM"):
-        raise ValueError(f"symm_mem backend {requested!r} is not one of 'CUDA', 'NVSHMEM'")
-    if num_hosts > 1 or requested == "NVSHMEM":
-        where = f"{num_hosts} hosts" if num_hosts > 1 else "backend 'NVSHMEM' was requested"
-        if not (features.has_set_backend and features.nvshmem_available):
-            reason = "this PyTorch has no NVSHMEM symmetric-memory backend"
-        else:
-            reason = (
-                "NVSHMEM is available, but CudaSymmTransport's NVSHMEM data path (put-to-staging + "
-                "signal, owner reduce) is not implemented yet"
-            )
+    if requested not in (None, "CUDA"):
         raise ValueError(
-            f"CudaSymmTransport: the data-parallel group needs inter-node transfers ({where}): "
-            f"{reason}; {FALLBACK_HINT}"
+            f"CudaSymmTransport: symm_mem backend {requested!r} is not 'CUDA'; PyTorch's NVSHMEM "
+            "backend is the nvshmem transport's (odc_transport='nvshmem')"
+        )
+    if num_hosts > 1:
+        raise ValueError(
+            f"CudaSymmTransport joins the GPUs of one node, but the data-parallel group spans "
+            f"{num_hosts} hosts; {FALLBACK_HINT}"
         )
     return "CUDA"
 
@@ -269,7 +267,8 @@ class CudaSymmTransport(Transport):
         accumulate_mode: ``"atomic"`` (Triton peer atomics) or ``"deterministic"`` (staging slots +
             owner reduce at ``fence``).
         device: CUDA device of this rank; ``None`` means ``torch.cuda.current_device()``.
-        backend: symmetric-memory backend request, ``None`` (automatic) or ``"CUDA"``.
+        backend: symmetric-memory backend request, ``None`` (automatic) or ``"CUDA"`` (subclasses choose
+            others in ``_select_backend``).
         timeout_s: accepted for interface compatibility with the other transports (the
             symmetric-memory barrier has its own timeout).
         block_numel: elements per Triton program.
@@ -327,7 +326,7 @@ class CudaSymmTransport(Transport):
         torch.cuda.set_device(self.device)  # before any collective: NCCL object collectives use it
         hosts: list[object] = [None] * self.world_size
         dist.all_gather_object(hosts, host_id(), group=group)
-        self.backend = choose_backend(len(set(hosts)), self.features, backend)
+        self.backend = self._select_backend(len(set(hosts)), backend)
 
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -339,6 +338,7 @@ class CudaSymmTransport(Transport):
         self._handles: dict[str, Any] = {}
         self._staging: dict[str, tuple[torch.Tensor, Any]] = {}  # name -> (staging buffer, handle)
         self._kernel: Any = None
+        self._fence_count = 0
         logger.debug(
             "rank %d: CudaSymmTransport on %s, mode %s, features %s, overlapping devices %s",
             self.rank,
@@ -347,6 +347,10 @@ class CudaSymmTransport(Transport):
             self.features,
             os.environ.get(OVERLAPPING_DEVICES_ENV, "unset"),
         )
+
+    def _select_backend(self, num_hosts: int, requested: str | None) -> str:
+        """The symmetric-memory backend for a group over ``num_hosts`` hosts (before any allocation)."""
+        return choose_backend(num_hosts, self.features, requested)
 
     # ------------------------------------------------------------------ protocol
 
@@ -377,7 +381,8 @@ class CudaSymmTransport(Transport):
             staging, staging_handle = self._symmetric(num, torch.float32)
             self._staging[spec.name] = (staging[:num], staging_handle)
         torch.cuda.current_stream(self.device).synchronize()
-        self._barrier(handle)  # every rank's zero_() is done before anyone accumulates
+        # Every rank's zero_() is done before anyone accumulates.
+        self._barrier(handle, f"register {spec.name!r}")
         return tensor[: spec.numel]
 
     def _get(self, spec: BufferSpec, peer: int, offset: int, out: torch.Tensor) -> None:
@@ -437,16 +442,19 @@ class CudaSymmTransport(Transport):
     def fence(self) -> None:
         """DP-wide barrier; in deterministic mode the owner then reduces its staging slots (fixed order)."""
         self.flush()
+        self._fence_count += 1
         handle = next(iter(self._handles.values()), None)
-        self._barrier(handle)
+        self._barrier(handle, f"fence {self._fence_count}")
         if self._staging:
             for name, (staging, _) in self._staging.items():
                 owner_reduce(self._local[name], staging, self.world_size)
             torch.cuda.current_stream(self.device).synchronize()
             # No source may write a slot again before its owner has drained it.
-            self._barrier(handle)
+            self._barrier(handle, f"fence {self._fence_count} (after the owner reduce)")
 
-    def _barrier(self, handle: Any) -> None:
+    def _barrier(self, handle: Any, what: str) -> None:
+        """Every rank of the group meets (``what`` names the meeting for subclasses' errors)."""
+        del what
         if self.fence_via == "symm_mem" and handle is not None and hasattr(handle, "barrier"):
             handle.barrier()
             torch.cuda.current_stream(self.device).synchronize()

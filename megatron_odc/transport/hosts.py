@@ -10,13 +10,15 @@ so that every multi-node path (hybrid sharding, transports refusing to span host
 few processes. Pretend hosts also get their own namespace for node-local files (:func:`host_namespace`),
 so no shared-memory file is named alike across the pretend boundary. Do not set it in real runs.
 
-No megatron import.
+:func:`pid_alive` tells whether a peer process on this machine still runs, so that a transport can
+name a dead peer at once rather than at its timeout. No megatron import.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -63,3 +65,22 @@ def hosts_of_group(group: dist.ProcessGroup | None) -> list[str]:
     hosts: list[object] = [None] * dist.get_world_size(group)
     dist.all_gather_object(hosts, host_id(), group=group)
     return [str(h) for h in hosts]
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this machine and is not a zombie."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no procfs, or the process vanished just now: the next check decides
+    # The state letter follows the parenthesised command name, which may itself contain ')'.
+    state = stat[stat.rfind(")") + 2 : stat.rfind(")") + 3]
+    return state not in ("Z", "X")

@@ -1,9 +1,10 @@
 """The one list of transports, and how a transport is chosen and built by name.
 
 ``TRANSPORTS`` maps each name to its class (imported when first built, so importing this module loads no
-backend); ``TRANSPORT_CHOICES`` adds ``auto``, which :func:`resolve_transport_name` turns into ``cuda``
-for memory on a GPU and ``shm`` otherwise; :func:`build_transport` checks the options against the class
-and builds it over a process group. No megatron import.
+backend); ``TRANSPORT_CHOICES`` adds ``auto``, which :func:`resolve_transport_name` turns into the node's
+transport (``cuda`` for memory on a GPU, ``shm`` otherwise) for a group on one host, and into ``nvshmem``
+(GPUs) or ``mpi`` (CPU) for a group spanning hosts; :func:`build_transport` checks the options against the
+class and builds it over a process group. No megatron import.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ TRANSPORTS = MappingProxyType(
         "collective": "megatron_odc.transport.collective:CollectiveTransport",
         "cuda": "megatron_odc.transport.cuda:CudaSymmTransport",
         "mpi": "megatron_odc.transport.mpi:MpiTransport",
+        "nvshmem": "megatron_odc.transport.nvshmem:NvshmemTransport",
     }
 )
 """Backend name -> ``module:class`` of its ``Transport`` subclass."""
@@ -53,7 +55,7 @@ def build_transport(name: str, group: dist.ProcessGroup | None = None, **options
     """Build the transport backend ``name`` over ``group`` (collective over the group).
 
     Args:
-        name: one of ``TRANSPORTS`` (``"shm"``, ``"collective"``, ``"cuda"``, ``"mpi"``).
+        name: one of ``TRANSPORTS`` (``"shm"``, ``"collective"``, ``"cuda"``, ``"mpi"``, ``"nvshmem"``).
         group: the data-parallel process group; ``None`` means WORLD.
         **options: the backend's keyword options (e.g. ``shm_dir``, ``timeout_s``, ``lock_stripe_nbytes``
             for ``"shm"``; ``timeout_s`` for ``"collective"``).
@@ -76,19 +78,26 @@ TRANSPORT_CHOICES = ("auto", *TRANSPORTS)
 
 def resolve_transport_name(name: str, device: torch.device, spans_hosts: bool = False) -> str:
     """``auto`` -> the node's transport (``cuda`` for memory on a CUDA device, else ``shm``) for a
-    group on one host, ``mpi`` for a group of CPU ranks that spans hosts; other names unchanged.
+    group on one host; for a group spanning hosts, ``nvshmem`` for GPUs (where this PyTorch has an
+    NVSHMEM backend) and ``mpi`` for CPU ranks. Other names unchanged.
 
     Raises:
-        ValueError: ``auto`` for a group of GPUs spanning hosts (no inter-node GPU transport yet).
+        ValueError: ``auto`` for a group of GPUs spanning hosts without an NVSHMEM PyTorch (the reason
+            and the alternatives named).
     """
     if name != "auto":
         return name
     if not spans_hosts:
         return "cuda" if device.type == "cuda" else "shm"
-    if device.type == "cuda":
-        raise ValueError(
-            "--odc-transport auto: the shard group spans hosts and its memory is on GPUs, for which "
-            "megatron-odc has no inter-node one-sided transport yet (NVSHMEM is not built); leave "
-            "--odc-shard-group-size unset (hybrid sharding: one shard group per host)"
-        )
-    return "mpi"
+    if device.type != "cuda":
+        return "mpi"
+    from megatron_odc.transport.nvshmem import nvshmem_unavailable_reason
+
+    reason = nvshmem_unavailable_reason()
+    if reason is None:
+        return "nvshmem"
+    raise ValueError(
+        "--odc-transport auto: the shard group spans hosts and its memory is on GPUs, whose "
+        f"transport between nodes is nvshmem, but {reason}; leave --odc-shard-group-size unset "
+        "(hybrid sharding: one shard group per host) or use --odc-transport collective"
+    )

@@ -67,7 +67,7 @@ from megatron_odc.transport.base import (
     TransportError,
     check_same_registration,
 )
-from megatron_odc.transport.hosts import host_id, host_namespace
+from megatron_odc.transport.hosts import host_id, host_namespace, pid_alive
 from megatron_odc.transport.staging import owner_reduce, staging_numel, staging_slot_offset
 
 logger = logging.getLogger(__name__)
@@ -95,25 +95,6 @@ _HEADER_FORMAT = "<16s32s64sq"  # magic, run id, role, payload bytes
 _FENCE_SLEEP_START_S = 50e-6
 _FENCE_SLEEP_CAP_S = 2e-3
 _LIVENESS_PERIOD_S = 0.1
-
-
-def _pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this host and is not a zombie."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True  # no procfs, or the process vanished just now: the next check decides
-    # The state letter follows the parenthesised command name, which may itself contain ')'.
-    state = stat[stat.rfind(")") + 2 : stat.rfind(")") + 3]
-    return state not in ("Z", "X")
 
 
 def _lock_liveness(fd: int) -> None:
@@ -598,7 +579,7 @@ class ShmTransport(Transport):
                 continue
             next_check = now + _LIVENESS_PERIOD_S
             missing = [r for r in range(self.world_size) if int(self._ctrl_epochs[r]) < epoch]
-            dead = [r for r in missing if not _pid_alive(int(self._ctrl_pids[r]))]
+            dead = [r for r in missing if not pid_alive(int(self._ctrl_pids[r]))]
             if dead:
                 names = ", ".join(f"rank {r} (pid {int(self._ctrl_pids[r])})" for r in dead)
                 raise TransportError(

@@ -5,8 +5,8 @@ In a deterministic accumulate mode every owner keeps, per accumulate buffer, a *
 lock or atomic is needed. At the fence the owner adds the slots into its shard in the fixed order
 0, 1, ..., W-1 (never arrival order) and zeroes them, so the result is bitwise reproducible.
 
-Pure torch, any device; used by ``shm`` (CPU shared memory) and ``cuda`` (symmetric memory). It imports
-no megatron module.
+Pure torch, any device; used by ``shm`` (CPU shared memory), ``cuda`` and ``nvshmem`` (symmetric memory)
+and ``mpi`` (RMA windows). It imports no megatron module.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 The GPU check runs only when a GPU is lent, with minutes to spare; these tests make sure the harness itself
 is right before then. The rehearsal (``--cpu-rehearsal``) runs every check's rank bodies and comparisons
-on CPU (megatron-core's CPU patches; ``tests/_fake_cuda.py`` as the GPU; the deterministic accumulate mode
-only, since the atomic one needs Triton on a GPU). The judgement tests feed each check doctored rank
+on CPU (megatron-core's CPU patches; ``tests/_fake_cuda.py`` as the GPU, with NVSHMEM as host copies; the
+deterministic accumulate mode only, since the atomic one needs Triton on a GPU). The judgement tests feed each check doctored rank
 results and show that a result outside its target fails the check and the script's exit code.
 """
 
@@ -41,6 +41,8 @@ def test_gpu_check_dry_run() -> None:
     for needle in (
         "correctness w=2",
         "correctness w=4",
+        "nvshmem w=2",
+        "nvshmem: PyTorch",  # the probe's verdict (this CPU PyTorch has no NVSHMEM)
         "bandwidth",
         "parity",
         "fp8 emulated",
@@ -55,7 +57,13 @@ def test_gpu_check_dry_run() -> None:
 
 
 def test_cpu_rehearsal_runs_every_check_and_passes(tmp_path: Path) -> None:
-    checks = ["correctness w=2", "bandwidth w=2", "parity w=2 odc vs ddp", "fp8 emulated w=2"]
+    checks = [
+        "correctness w=2",
+        "nvshmem w=2",
+        "bandwidth w=2",
+        "parity w=2 odc vs ddp",
+        "fp8 emulated w=2",
+    ]
     out = tmp_path / "numbers.json"
     before = _rehearsal_dirs()
     argv = [sys.executable, str(SCRIPT), "--cpu-rehearsal", "--repeats", "2", "--json", str(out)]
@@ -69,7 +77,8 @@ def test_cpu_rehearsal_runs_every_check_and_passes(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
     table = result.stdout.splitlines()
     assert "CPU rehearsal (not a GPU result)" in table[0]
-    rows = {line[: len(checks[2])].strip(): line for line in table[2:]}
+    width = max(len(check) for check in checks)
+    rows = {line[:width].strip(): line for line in table[2:]}
     assert sorted(rows) == sorted(checks), result.stdout
     assert all(" PASS " in row for row in rows.values()), result.stdout
     numbers = json.loads(out.read_text())
@@ -88,6 +97,9 @@ def test_cpu_rehearsal_runs_every_check_and_passes(tmp_path: Path) -> None:
     assert len(parity["ddp_losses"]) == 3
     correctness = numbers["correctness w=2"]["extra"]["results"]
     assert [sorted(k for k in r if k != "features") for r in correctness] == [["deterministic"]] * 2
+    nvshmem = numbers["nvshmem w=2"]["extra"]["results"]
+    # remote_peers="all": the peer through (faked) NVSHMEM get / put; "auto": one host, load / store.
+    assert [(r["all"]["remote"], r["auto"]["remote"]) for r in nvshmem] == [([1], []), ([0], [])]
     assert numbers["bandwidth w=2"]["extra"]["acc_det_gbps"] > 0
     assert _rehearsal_dirs() == before, "the rehearsal left its host 'symmetric memory' behind"
 
@@ -171,6 +183,25 @@ def test_correctness_failures_are_reported_per_rank(gpu_check, monkeypatch) -> N
     assert "rank 1: atomic: lost 3 element(s)" in detail
     monkeypatch.setattr(gpu_check, "run_world", lambda *a, **k: [clean, clean])
     assert gpu_check._check_correctness(_args(gpu_check), 2)[0]
+
+
+def test_nvshmem_is_skipped_with_the_reason_or_judged_per_rank(gpu_check, monkeypatch) -> None:
+    import megatron_odc.transport.nvshmem as nvshmem
+
+    monkeypatch.setattr(nvshmem, "nvshmem_unavailable_reason", lambda: "PyTorch 9.9 lacks it")
+    ok, detail, extra = gpu_check._check_nvshmem(_args(gpu_check))
+    assert (ok, extra) == (True, {"skipped": True})
+    assert detail == "NVSHMEM unavailable: PyTorch 9.9 lacks it"
+    monkeypatch.setattr(nvshmem, "nvshmem_unavailable_reason", lambda: None)
+    monkeypatch.setattr(nvshmem, "load_device_ops", lambda: None)
+    clean = {m: {"failures": [], "max_abs_err": 1e-7, "remote": []} for m in ("all", "auto")}
+    broken = {**clean, "all": {**clean["all"], "failures": ["nvshmem all: lost 2 element(s)"]}}
+    monkeypatch.setattr(gpu_check, "run_world", lambda *a, **k: [clean, broken])
+    ok, detail, _ = gpu_check._check_nvshmem(_args(gpu_check))
+    assert not ok
+    assert "rank 1: nvshmem all: lost 2 element(s)" in detail
+    monkeypatch.setattr(gpu_check, "run_world", lambda *a, **k: [clean, clean])
+    assert gpu_check._check_nvshmem(_args(gpu_check))[0]
 
 
 def test_a_failing_or_raising_check_fails_the_run(gpu_check, monkeypatch, tmp_path, capsys) -> None:

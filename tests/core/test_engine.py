@@ -94,6 +94,21 @@ def _wrap(
     return engine, ODCHooks(engine, model, units, "root")
 
 
+def one_minibatch(transport, counts: list[int], rank: int) -> tuple[ODCEngine, ODCHooks]:
+    """This rank's ``counts[rank]`` samples of one minibatch (``_samples(1, sum(counts))``) through a
+    fresh ``_model(0)`` wrapped on ``transport`` (buckets of 700); returns the engine after its fence, and
+    its hooks. The gradients then equal ``_oracle(counts, 1)``'s first step."""
+    model = _model(0)
+    engine, hooks = _wrap(model, transport, 700)
+    samples = _samples(1, sum(counts))
+    start = sum(counts[:rank])
+    engine.begin_minibatch()
+    for tokens in samples[start : start + counts[rank]]:
+        model(tokens).backward()
+    engine.finish_minibatch()
+    return engine, hooks
+
+
 def _owned_grads(engine: ODCEngine) -> list[tuple[str, int, torch.Tensor]]:
     out = []
     for bucket in engine.layout.buckets:

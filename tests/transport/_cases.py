@@ -6,9 +6,11 @@ import random
 import time
 from collections.abc import Callable
 
+import pytest
 import torch
+import torch.distributed as dist
 
-from megatron_odc.transport import Transport
+from megatron_odc.transport import Transport, TransportError
 
 
 def mismatched_registrations(rank: int, world_size: int) -> list[tuple[str, str, int, torch.dtype]]:
@@ -163,3 +165,19 @@ def sum_in_two_arrival_orders(
         t.fence()
         torch.testing.assert_close(shard.double(), expected + 0.25, rtol=0, atol=1e-5)
     return results
+
+
+def check_late_peer_named(late: Transport, victim: int, match: str, slack_s: float = 4.5) -> None:
+    """``victim`` stays away from ``late``'s fence for its ``timeout_s`` plus a second: every other rank's
+    fence raises ``TransportError`` matching ``match`` after the timeout (within ``slack_s`` more);
+    then every rank meets on the process group and closes ``late``."""
+    timeout_s = late.timeout_s
+    if late.rank == victim:
+        time.sleep(timeout_s + 1.0)
+    else:
+        start = time.monotonic()
+        with pytest.raises(TransportError, match=match):
+            late.fence()
+        assert timeout_s <= time.monotonic() - start < timeout_s + slack_s
+    dist.barrier()
+    late.close()

@@ -89,11 +89,12 @@ def test_probe_of_installed_torch_matches_hasattr() -> None:
 def test_choose_backend() -> None:
     assert choose_backend(1, FULL) == "CUDA"
     assert choose_backend(1, FULL, "CUDA") == "CUDA"
-    with pytest.raises(ValueError, match="collective"):
-        choose_backend(2, FULL)  # several hosts, no NVSHMEM: names the fallback
-    nvshmem = SymmMemFeatures(True, True, True, has_set_backend=True, nvshmem_available=True)
-    with pytest.raises(ValueError, match=r"not implemented.*collective"):
-        choose_backend(2, nvshmem)
+    with pytest.raises(
+        ValueError, match=r"spans 2 hosts; use odc_transport='nvshmem'.*'collective'"
+    ):
+        choose_backend(2, FULL)  # several hosts: names the inter-node transports
+    with pytest.raises(ValueError, match=r"'NVSHMEM' is not 'CUDA'.*odc_transport='nvshmem'"):
+        choose_backend(1, FULL, "NVSHMEM")  # the NVSHMEM backend is the nvshmem transport's
     with pytest.raises(ValueError, match=r"empty\(\) and rendezvous"):
         choose_backend(1, SymmMemFeatures(importable=True))
     with pytest.raises(ValueError, match="'NCCL'"):
@@ -467,26 +468,15 @@ def test_group_enabled_only_where_this_pytorch_needs_it(needs_enable: bool) -> N
 
 def _run_engine_on_fake_cuda_transport(rank: int, world_size: int, counts: list[int]) -> list:
     """The plain-torch engine test's model, pushed and fetched through CudaSymmTransport (deterministic)."""
-    from megatron_odc.core.engine import ODCEngine
-    from megatron_odc.core.hooks import ODCHooks
     from tests._fake_cuda import install_fake_cuda
-    from tests.core.test_engine import _model, _named_params, _owned_grads, _samples
+    from tests.core.test_engine import _owned_grads, one_minibatch
 
     fake = install_fake_cuda()
     try:
         runs = []
         for _ in range(2):  # the same minibatch twice: the deterministic mode must repeat bitwise
             transport = CudaSymmTransport(None, accumulate_mode="deterministic")
-            model = _model(0)
-            engine = ODCEngine(_named_params(model), transport, bucket_numel=700, alignment=4)
-            units = [(f"layers.{i}", layer) for i, layer in enumerate(model.layers)]
-            hooks = ODCHooks(engine, model, units, "root")
-            samples = _samples(1, sum(counts))
-            start = sum(counts[:rank])
-            engine.begin_minibatch()
-            for tokens in samples[start : start + counts[rank]]:
-                model(tokens).backward()
-            engine.finish_minibatch()
+            engine, hooks = one_minibatch(transport, counts, rank)
             runs.append(
                 {
                     "grads": _owned_grads(engine),

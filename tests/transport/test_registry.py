@@ -18,7 +18,7 @@ from megatron_odc.transport import (
 
 def test_choices_are_the_registry_plus_auto() -> None:
     assert ("auto", *TRANSPORTS) == TRANSPORT_CHOICES
-    assert set(TRANSPORTS) == {"shm", "collective", "cuda", "mpi"}
+    assert set(TRANSPORTS) == {"shm", "collective", "cuda", "mpi", "nvshmem"}
     for name in TRANSPORTS:
         assert transport_class(name).__module__ == f"megatron_odc.transport.{name}"
     with pytest.raises(ValueError, match="unknown transport 'auto'"):
@@ -31,10 +31,12 @@ def test_auto_follows_the_device() -> None:
     assert resolve_transport_name("collective", torch.device("cuda")) == "collective"
 
 
-def test_auto_crosses_hosts_over_mpi_for_cpu_ranks_only() -> None:
+def test_auto_crosses_hosts_over_mpi_for_cpu_ranks_and_nvshmem_for_gpus() -> None:
     assert resolve_transport_name("auto", torch.device("cpu"), spans_hosts=True) == "mpi"
     assert resolve_transport_name("shm", torch.device("cpu"), spans_hosts=True) == "shm"
-    with pytest.raises(ValueError, match="--odc-shard-group-size unset"):
+    if torch.cuda.is_available():
+        return  # GPUs across hosts: nvshmem where available (tests/transport/test_nvshmem.py)
+    with pytest.raises(ValueError, match=r"is nvshmem, but PyTorch .*--odc-shard-group-size unset"):
         resolve_transport_name("auto", torch.device("cuda"), spans_hosts=True)
 
 
@@ -42,7 +44,7 @@ def test_importing_the_package_loads_no_backend() -> None:
     code = (
         "import sys\n"
         "import megatron_odc.transport\n"
-        "loaded = [m for m in ('shm', 'cuda', 'collective', 'mpi') if f'megatron_odc.transport.{m}' in sys.modules]\n"
+        "loaded = [m for m in ('shm', 'cuda', 'collective', 'mpi', 'nvshmem') if f'megatron_odc.transport.{m}' in sys.modules]\n"
         "loaded += [m for m in ('mpi4py',) if m in sys.modules]\n"
         "assert not loaded, loaded\n"
     )
