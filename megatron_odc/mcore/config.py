@@ -180,7 +180,13 @@ UNSUPPORTED: Mapping[str, Unsupported] = {
     "pipeline_model_parallel_size": Unsupported(
         "--pipeline-model-parallel-size > 1",
         ODC_ENGINE_BACKENDS,
-        "ODC does not support pipeline parallelism yet; use 1",
+        "the Megatron-LM launcher does not support pipeline parallelism with ODC yet; use 1, or "
+        "the plugin's own entry (python -m megatron_odc.train), which runs pipeline stages",
+    ),
+    "virtual_pipeline_model_parallel_size": Unsupported(
+        "--num-layers-per-virtual-pipeline-stage (virtual pipeline stages)",
+        ODC_ENGINE_BACKENDS,
+        "ODC runs megatron-core's 1F1B pipeline schedule, not the interleaved one; leave it unset",
     ),
     "context_parallel_size": Unsupported(
         "--context-parallel-size > 1",
@@ -217,7 +223,9 @@ UNSUPPORTED: Mapping[str, Unsupported] = {
     ),
 }
 """Setting (the ``args`` / config attribute) -> what a backend refuses about it. A setting is on when
-it is ``True`` or, for the ``*_size`` ones, larger than 1."""
+it is ``True`` or, for the ``*_size`` ones, larger than 1. ``pipeline_model_parallel_size`` is passed
+by the Megatron-LM launcher only: the wrapper and the plugin's entry run pipeline stages ([Note: ODC
+with pipeline stages] in ``pipeline.py``)."""
 
 
 def refuse_unsupported(backend: str, **settings: Any) -> None:
