@@ -5,7 +5,8 @@ Owns, each written once:
 - ``BACKENDS`` (``odc``, ``fsdp``, ``ddp``, ``distopt``) and the subsets that share a property;
 - :class:`ODCConfig`, ODC's own options (one frozen dataclass whose ``__post_init__`` holds every check);
 - :data:`UNSUPPORTED` and :func:`refuse_unsupported`, the Megatron features a backend does not combine
-  with, each with its flag and reason.
+  with, each with its flag and reason; :func:`check_pipeline_layers`, the one layout megatron-core
+  cannot build that the entries check before building a model.
 
 Imports megatron nothing: the entries (``runner/``, ``integration/``) and the adapter (``data_parallel.py``,
 ``optimizer.py``) call these with what they know.
@@ -246,3 +247,17 @@ def refuse_unsupported(backend: str, **settings: Any) -> None:
             raise ValueError(
                 f"--dp-backend {backend} does not combine with {rule.flag}: {rule.reason}"
             )
+
+
+def check_pipeline_layers(num_layers: int, pipeline_stages: int) -> None:
+    """Refuse a number of layers that megatron-core cannot split into equal pipeline stages.
+
+    Raises:
+        ValueError: naming ``--num-layers`` and ``--pipeline-model-parallel-size``.
+    """
+    if num_layers % pipeline_stages:
+        raise ValueError(
+            f"--num-layers {num_layers} does not split into --pipeline-model-parallel-size "
+            f"{pipeline_stages} stages of equal layers; choose a number of layers divisible by "
+            f"{pipeline_stages}"
+        )

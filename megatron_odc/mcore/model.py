@@ -22,6 +22,8 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.nn import functional
 
+from megatron_odc.mcore.config import check_pipeline_layers
+
 
 def params_dtype(*, bf16: bool, fp16: bool) -> torch.dtype:
     """The parameter dtype of Megatron's ``--bf16`` / ``--fp16`` (fp32 with neither)."""
@@ -116,7 +118,8 @@ def transformer_config(cfg: GPTConfig) -> TransformerConfig:
     """Build the TransformerConfig for ``cfg`` with the current TP size and CPU-safe options.
 
     Raises:
-        ValueError: heads or vocabulary not divisible by the TP size, or sequence parallelism at TP=1.
+        ValueError: heads or vocabulary not divisible by the TP size, sequence parallelism at TP=1, or
+            layers that do not split into the pipeline stages.
     """
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     if cfg.num_attention_heads % tp_size:
@@ -134,11 +137,7 @@ def transformer_config(cfg: GPTConfig) -> TransformerConfig:
     if cfg.sequence_parallel and tp_size == 1:
         raise ValueError("sequence_parallel=True needs a tensor-parallel size > 1")
     pp_size = parallel_state.get_pipeline_model_parallel_world_size()
-    if cfg.num_layers % pp_size:
-        raise ValueError(
-            f"--num-layers {cfg.num_layers} does not split into --pipeline-model-parallel-size "
-            f"{pp_size} stages of equal layers; choose a number of layers divisible by {pp_size}"
-        )
+    check_pipeline_layers(cfg.num_layers, pp_size)
     return TransformerConfig(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,

@@ -134,3 +134,15 @@ def check_pipeline_counts(num_microbatches: int) -> None:
             f"given different numbers of microbatches ({listed}); every stage of one pipeline must "
             "run the same microbatches (the plan assigns them per DP replica)"
         )
+
+
+def from_last_stage(value: torch.Tensor) -> torch.Tensor:
+    """The last pipeline stage's ``value`` on every stage of this pipeline (its loss report: only the
+    last stage computes the loss); ``value`` itself with one stage. Collective over the pipeline group.
+    """
+    if parallel_state.get_pipeline_model_parallel_world_size() <= 1:
+        return value
+    group = parallel_state.get_pipeline_model_parallel_group()
+    out = value.to(collective_device(group)).clone()
+    dist.broadcast(out, src=parallel_state.get_pipeline_model_parallel_last_rank(), group=group)
+    return out.to(value.device)

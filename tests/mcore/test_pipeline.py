@@ -15,6 +15,12 @@ One spawned world runs every case (a 4-rank start costs more than the cases):
 - bad input before anything hangs: stages of one pipeline given different counts (the message names the
   DP replica and every stage's count), the interleaved schedule (virtual pipeline stages), a number of
   layers that does not split into the stages.
+
+In a second world (slow): checkpoints across layouts. PP=2 x DP=2 saves after 2 steps; PP=1 x DP=4
+loads it (weights bit-exact under the global layer names) and its next step on the same samples equals
+the uninterrupted PP=2 run's (loss, grad norm, parameters to 1e-5: the optimizer state moved too);
+megatron-core DDP at PP=2 loads the ODC checkpoint bit-exact; PP=2 loads PP=1's checkpoint bit-exact
+(the last stage's copy of the tied embedding from the embedding's key).
 """
 
 from __future__ import annotations
@@ -266,6 +272,136 @@ def _run(rank: int, world_size: int) -> dict:
 @pytest.fixture(scope="module")
 def world() -> list[dict]:
     return run_ranks(_run, WORLD, timeout_s=300)
+
+
+def _global_params(model, cfg) -> dict[str, torch.Tensor]:
+    """Every stage's parameters under the PP=1 names (its layers renumbered globally), on every rank.
+
+    The last stage's copy of a tied embedding is left out (PP=1 has one weight). Collective.
+    """
+    from megatron.core import parallel_state
+
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    per_stage = cfg.num_layers // parallel_state.get_pipeline_model_parallel_world_size()
+    mine = {}
+    for name, value in _params(model).items():
+        parts = name.split(".")
+        if parts[:2] == ["decoder", "layers"]:
+            parts[2] = str(int(parts[2]) + stage * per_stage)
+        if _is_tied_copy(name, cfg):
+            continue
+        mine[".".join(parts)] = value
+    everyone: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    merged: dict[str, torch.Tensor] = {}
+    for part in everyone:
+        merged.update(part)
+    return merged
+
+
+def _is_tied_copy(name: str, cfg) -> bool:
+    """Whether ``name`` is the last stage's copy of the tied embedding."""
+    from megatron.core import parallel_state
+
+    return (
+        name == "output_layer.weight"
+        and cfg.share_embeddings_and_output_weights
+        and parallel_state.get_pipeline_model_parallel_world_size() > 1
+    )
+
+
+def _bit_exact(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    """Names whose tensors differ in any bit (empty: bit-exact)."""
+    assert set(a) == set(b), sorted(set(a) ^ set(b))
+    return [n for n in sorted(b) if not torch.equal(a[n], b[n])]
+
+
+SAVE_COUNTS = [[3, 1], [2, 0]]  # PP=2 replicas, before the save
+NEXT_COUNTS = [1, 2]  # PP=2 replicas, the step after it
+NEXT_AT_DP4 = [[0], [], [0, 1], []]  # the same samples at PP=1 x DP=4: replica r's seeds 37*r + i
+
+
+def _pp1_step(model, opt, cfg, step: int) -> tuple[float, float]:
+    """The step after the save at PP=1 x DP=4 on the samples the PP=2 replicas ran."""
+    from megatron.core import parallel_state
+
+    from megatron_odc.mcore.step import train_step
+    from tests._megatron import make_batch
+
+    dp_rank = parallel_state.get_data_parallel_rank()
+    replica = {0: 0, 2: 1}.get(dp_rank, 0)
+    batches = [
+        make_batch(cfg, 1, seed=1000 * step + 37 * replica + i) for i in NEXT_AT_DP4[dp_rank]
+    ]
+    out = train_step(model, opt, _forward_step, batches, seq_length=cfg.seq_length)
+    totals = torch.zeros(2, dtype=torch.float64)
+    for report in out["losses"]:
+        totals += report["lm loss"].double()
+    dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
+    return float(totals[0] / totals[1]), float(out["grad_norm"])
+
+
+def _run_checkpoints(rank: int, world_size: int, root: str) -> dict:
+    from megatron_odc.mcore.model import GPTConfig
+    from megatron_odc.runner.checkpoint import load_checkpoint, save_checkpoint
+    from tests._megatron import init_megatron, teardown_megatron
+    from tests.runner.test_checkpoint import _allow_writer_processes
+
+    _allow_writer_processes()
+    cfg = GPTConfig(**CFG_KW)
+    out: dict = {}
+    init_megatron(1, seed=3, pp=2)
+    try:
+        model, opt = _build("odc", cfg, seed=21)
+        for step, counts in enumerate(SAVE_COUNTS):
+            _step(model, opt, cfg, step, counts)
+        save_checkpoint(f"{root}/pp2", 2, model, opt, extra_state={})
+        saved_pp2 = _global_params(model, cfg)
+        oracle = _step(model, opt, cfg, 2, NEXT_COUNTS)
+        oracle_params = _global_params(model, cfg)
+        model.close()
+        # megatron-core DDP with the same pipeline layout: the weights, bit-exact.
+        ddp, ddp_opt = _build("ddp", cfg, seed=22)
+        load_checkpoint(f"{root}/pp2", ddp, ddp_opt, finetune=True)
+        out["pp2_to_ddp"] = _bit_exact(_global_params(ddp, cfg), saved_pp2)
+    finally:
+        teardown_megatron()
+    init_megatron(1, seed=3)
+    try:
+        model, opt = _build("odc", cfg, seed=23)
+        load_checkpoint(f"{root}/pp2", model, opt)
+        out["pp2_to_pp1"] = _bit_exact(_global_params(model, cfg), saved_pp2)
+        out["pp1_step"] = (_pp1_step(model, opt, cfg, 2), oracle)
+        out["pp1_params"] = _worst(_global_params(model, cfg), oracle_params)
+        save_checkpoint(f"{root}/pp1", 3, model, opt, extra_state={})
+        saved_pp1 = _global_params(model, cfg)
+        model.close()
+    finally:
+        teardown_megatron()
+    init_megatron(1, seed=3, pp=2)
+    try:
+        model, opt = _build("odc", cfg, seed=24)
+        load_checkpoint(f"{root}/pp1", model, opt)
+        out["pp1_to_pp2"] = _bit_exact(_global_params(model, cfg), saved_pp1)
+        out["tied_equal"] = _tied_copies_equal(model)
+        model.close()
+    finally:
+        teardown_megatron()
+    return out
+
+
+@pytest.mark.slow
+def test_checkpoints_move_between_pipeline_layouts(tmp_path) -> None:
+    results = run_ranks(_run_checkpoints, WORLD, str(tmp_path), timeout_s=400)
+    for rank, ck in enumerate(results):
+        for case in ("pp2_to_ddp", "pp2_to_pp1", "pp1_to_pp2"):
+            assert ck[case] == [], f"rank {rank}: {case}: {ck[case][:3]} not bit-exact"
+        (loss, norm), (ref_loss, ref_norm) = ck["pp1_step"]
+        if ref_loss is not None:  # the PP=2 oracle's loss lives on its last stage
+            assert abs(loss - ref_loss) <= REL_TOL * abs(ref_loss), (rank, loss, ref_loss)
+        assert abs(norm - ref_norm) <= REL_TOL * ref_norm, (rank, norm, ref_norm)
+        _assert_same_params(f"rank {rank} after the PP=1 step", ck["pp1_params"])
+        assert ck["tied_equal"] in (True, None), rank
 
 
 # ---------------------------------------------------------------------- tests
