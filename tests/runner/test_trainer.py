@@ -319,7 +319,8 @@ def _run_backends(rank: int, world_size: int, workdir: str) -> dict[str, dict[in
 
 
 def _run_pipeline(rank: int, world_size: int, workdir: str) -> dict[str, object]:
-    """PP=2 x DP=2 through the entry: ODC and megatron-core DDP (the same init: the same layout)."""
+    """PP=2 x DP=2 through the entry: ODC (also with every unit kept unsharded), the lockstep fsdp
+    baseline (LB-Micro's equal counts) and megatron-core DDP (the same init: the same layout)."""
     del rank, world_size
     os.chdir(workdir)
     common = [*SMALL, "--train-iters", "4", "--num-layers", "4", "--pipeline-model-parallel-size"]
@@ -327,7 +328,13 @@ def _run_pipeline(rank: int, world_size: int, workdir: str) -> dict[str, object]
     from megatron_odc.train import run
 
     out: dict[str, object] = {}
-    for name, extra in (("odc", []), ("ddp", ["--dp-backend", "ddp"])):
+    runs = {
+        "odc": [],
+        "odc keep-all": ["--odc-unsharded-budget", "all"],
+        "fsdp": ["--dp-backend", "fsdp"],
+        "ddp": ["--dp-backend", "ddp"],
+    }
+    for name, extra in runs.items():
         args = validate_args(build_parser().parse_args([*common, *extra]), world_size=4)
         result = run(args)
         out[name] = result.losses
@@ -353,9 +360,11 @@ def test_pipeline_stages_train_through_the_entry(tmp_path):
     for res in results:  # the first stage's ranks log what the last stage computed
         assert res["odc"] == odc
         assert res["odc norms"] == results[0]["odc norms"]
-    for it, loss in odc.items():
-        assert loss == pytest.approx(ddp[it], rel=1e-5), it
-        assert results[0]["odc norms"][it] == pytest.approx(results[0]["ddp norms"][it], rel=1e-5)
+    for name in ("odc", "odc keep-all", "fsdp"):
+        for it, loss in results[0][name].items():
+            assert loss == pytest.approx(ddp[it], rel=1e-5), (name, it)
+            norm = results[0][f"{name} norms"][it]
+            assert norm == pytest.approx(results[0]["ddp norms"][it], rel=1e-5), (name, it)
 
 
 def test_backends_and_plans_train_the_same_model(tmp_path):
