@@ -2,8 +2,8 @@
 
 :func:`model_parallel` initialises ``parallel_state`` with the TP and PP sizes for the duration of a
 block and yields the data-parallel coordinates the rest of the run needs (the DP rank and size, whose
-ranks form one length-balancing plan, the DP group, and the pipeline stage). Everything else about megatron's groups stays
-inside the adapter.
+ranks form one length-balancing plan, the DP group, and the pipeline stage). Everything else about
+megatron's groups stays inside the adapter.
 """
 
 from __future__ import annotations

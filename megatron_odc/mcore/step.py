@@ -7,9 +7,10 @@ ranks may run different numbers of microbatches and the result equals one proces
 with zero microbatches skips the schedule and calls ``finalize_model_grads`` itself with a zero count
 (:func:`finalize_without_microbatches`, also what the Megatron-LM integration runs). With pipeline
 stages the schedule is megatron-core's 1F1B, every stage of a DP replica runs the replica's microbatches
-(checked first: :func:`~megatron_odc.mcore.pipeline.check_pipeline_counts`) and a replica with none skips
-the schedule on every stage. Works for every backend: ODC, FSDP, megatron-core DDP / distopt. :func:`per_token_loss` and :func:`gpt_forward_step` are
-the loss and forward step of a GPT on packed batches.
+(checked first: :func:`~megatron_odc.mcore.pipeline.check_pipeline_counts`) and a replica with none
+skips the schedule on every stage. Works for every backend: ODC, FSDP, megatron-core DDP / distopt.
+:func:`per_token_loss` and :func:`gpt_forward_step` are the loss and forward step of a GPT on packed
+batches.
 """
 
 from __future__ import annotations
