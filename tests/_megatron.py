@@ -51,10 +51,13 @@ SMALL_GPT = {
 """``GPTConfig`` fields of the small fp32 GPT the backend tests share: uneven widths, several buckets."""
 
 
-def init_megatron(tp: int, seed: int) -> CpuPatches:
-    """Apply the CPU patches, initialise model parallel with TP=``tp`` and seed the RNG trackers."""
+def init_megatron(tp: int, seed: int, *, pp: int = 1) -> CpuPatches:
+    """Apply the CPU patches, initialise model parallel with TP=``tp`` (and PP=``pp``) and seed the
+    RNG trackers."""
     patches = apply_cpu_patches()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+    )
     model_parallel_cuda_manual_seed(seed)
     return patches
 

@@ -1,8 +1,13 @@
-"""A transport wrapper that records every call, to check ODC's promise (tests only)."""
+"""Recorders that check ODC's promise (tests only): every transport call, every collective."""
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+from collections.abc import Iterator
+
 import torch
+import torch.distributed as dist
 
 from megatron_odc.transport.base import BufferSpec, Transport
 
@@ -83,3 +88,39 @@ class RecordingStreams:
 
     def host_wait(self, event: int) -> None:
         self.log.append(("host_wait", event))
+
+
+@contextlib.contextmanager
+def record_collectives(log: list) -> Iterator[None]:
+    """Append ``("collective", name, group's global ranks, numel of the tensor argument)`` per call of
+    ``torch.distributed``'s collectives inside the block (megatron-core's included: they look the
+    functions up on the module at call time)."""
+    saved = []
+
+    def recorder(fn, name):
+        signature = inspect.signature(fn)
+
+        def inner(*args, **kwargs):
+            arguments = signature.bind_partial(*args, **kwargs).arguments
+            group = arguments.get("group")
+            ranks = (
+                dist.get_process_group_ranks(group)
+                if group is not None
+                else list(range(dist.get_world_size()))
+            )
+            tensor = arguments.get("tensor")
+            numel = tensor.numel() if isinstance(tensor, torch.Tensor) else -1
+            log.append(("collective", name, tuple(sorted(ranks)), numel))
+            return fn(*args, **kwargs)
+
+        return inner
+
+    for name in ("all_reduce", "all_gather", "all_gather_object", "broadcast", "barrier"):
+        fn = getattr(dist, name)
+        saved.append((name, fn))
+        setattr(dist, name, recorder(fn, name))
+    try:
+        yield
+    finally:
+        for name, fn in saved:
+            setattr(dist, name, fn)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -82,6 +82,9 @@ class ODCEngine:
             the same shards in the other shard groups; ``transport`` and the layout then span this
             rank's shard group only, ``group`` the whole DP group, and ``finish_minibatch`` sums the
             owned accumulators over ``replica_group`` after the push fence (``None``: no replicas).
+        own_buckets: parameters laid out in buckets of their own, whose owned ranges then depend only
+            on their size and this layout's DP size, bucket size and alignment (``ParamSpec.
+            own_bucket``: a tied embedding's copies on the first and last pipeline stage).
     """
 
     def __init__(
@@ -101,6 +104,7 @@ class ODCEngine:
         unsharded_budget: str | int | float = BUDGET_NONE,
         root_unit: str | None = None,
         replica_group: dist.ProcessGroup | None = None,
+        own_buckets: Collection[str] = (),
     ) -> None:
         if max_pushes_in_flight < 1:
             raise ValueError(f"max_pushes_in_flight must be >= 1, got {max_pushes_in_flight}")
@@ -129,6 +133,7 @@ class ODCEngine:
                     torch.uint8 if name in self.fp8_names else p.dtype,
                     unit,
                     splittable=name not in self.fp8_names,
+                    own_bucket=name in own_buckets,
                 )
                 for name, p, unit in named_params
             ],

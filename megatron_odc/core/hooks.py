@@ -5,8 +5,9 @@
 - a forward pre-hook on the root module: fetch the root unit (parameters outside every unit module, such
   as embeddings, the final norm and the output layer, which a tied embedding uses at both ends) and count
   the microbatch and its tokens;
-- a forward post-hook on the root: arm the root pre-backward hook on the outputs, which queues the end of
-  backward callback (push leftovers, release all); without grad, release everything at once;
+- a forward post-hook on the root: arm the root pre-backward hook on the outputs, which fetches the root
+  unit again (see [Note: hooks under 1F1B]) and queues the end of backward callback (push leftovers,
+  release all); without grad, release everything at once;
 - per unit module (e.g. each transformer layer): a forward pre-hook (fetch, then start the prefetch of the
   next unit, which overlaps this unit's compute on a GPU), a forward post-hook (release, and arm a
   pre-backward hook on the outputs that fetches again and starts the prefetch of the previous unit);
@@ -15,6 +16,16 @@
 
 Forwards that run inside backward (activation recompute) keep their unit unsharded until it is pushed.
 No megatron import.
+
+[Note: hooks under 1F1B]
+Megatron's 1F1B pipeline schedule runs stage ``s`` of ``p`` up to ``p - s - 1`` forwards ahead of their
+backwards (``F0 F1 B0 F2 B1 ...``). Nothing here or in the bucket states is per microbatch, so that order
+is legal: each forward fetches and releases its units; each backward fetches them again, pushes its
+gradients into the owners' accumulators (sums, so the order does not matter) and ends with every unit
+released. The root unit is fetched at the root's forward and again at its pre-backward, because the
+backward of an earlier microbatch released it in between (``F1 B0 B1`` on stage 0). The tensors autograd
+saved in a forward are views into the units' flat storage, which a refetch refills with the same values
+(the shards change only at the optimizer step), so a backward reads the parameters its forward read.
 """
 
 from __future__ import annotations
@@ -107,6 +118,8 @@ class ODCHooks:
             return
         self._in_backward = True
         torch.autograd.Variable._execution_engine.queue_callback(self._post_backward)
+        if self.root_unit is not None:
+            self.engine.fetch(self.root_unit)  # [Note: hooks under 1F1B]
         if self.prefetch and self._order:
             self.engine.start_fetch(self._order[-1])
 

@@ -22,6 +22,11 @@ chooses it, e.g. reverse registration order as Megatron's DDP does) and packs th
   split into consecutive pieces, each alone in its own bucket; every piece but the last holds exactly
   ``bucket_numel`` elements and has no padding, so the unit's buckets laid back to back hold the
   parameter contiguously. The bucket of the last piece is closed too: the next parameter opens a new one.
+- An ``own_bucket`` parameter closes the open bucket and is laid out alone, like a parameter larger than
+  the effective size (split if larger and splittable); its bucket(s) are closed behind it. Its shards
+  then depend only on its size, ``dp_size``, the bucket size and the alignment, so two layouts that hold
+  it (the first and last pipeline stage's copies of a tied embedding) give each DP rank the same range
+  of it: megatron-core's DDP puts the shared embedding in a bucket of its own for the same reason.
 - ``padded_numel`` is the end of the last slot rounded up to a multiple of ``dp_size * alignment`` and is
   never below ``dp_size * alignment``, so every rank owns a non-empty, aligned shard of every bucket:
   rank ``r`` owns ``[r * shard_numel, (r + 1) * shard_numel)``.
@@ -43,8 +48,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_FINGERPRINT_VERSION = 2
-_RECORD_FIELDS = ("name", "shape", "dtype", "unit", "splittable")
+_FINGERPRINT_VERSION = 3
+_RECORD_FIELDS = ("name", "shape", "dtype", "unit", "splittable", "own_bucket")
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -66,6 +71,8 @@ class ParamSpec:
         unit: The module group whose hooks fetch this parameter ("" = one unit for everything).
         splittable: Whether a parameter larger than the bucket size may be split over several buckets
             (False: it gets one oversized bucket of its own).
+        own_bucket: Lay the parameter out in bucket(s) of its own, so that its shards do not depend on
+            its neighbours (see [Note: layout rules]).
     """
 
     name: str
@@ -73,6 +80,7 @@ class ParamSpec:
     dtype: torch.dtype
     unit: str = ""
     splittable: bool = True
+    own_bucket: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -96,10 +104,11 @@ class ParamSpec:
             )
         if not isinstance(self.unit, str):
             raise ValueError(f"parameter {self.name!r}: unit must be a string, got {self.unit!r}")
-        if not isinstance(self.splittable, bool):
-            raise ValueError(
-                f"parameter {self.name!r}: splittable must be a bool, got {self.splittable!r}"
-            )
+        for flag in ("splittable", "own_bucket"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(
+                    f"parameter {self.name!r}: {flag} must be a bool, got {getattr(self, flag)!r}"
+                )
 
     @property
     def numel(self) -> int:
@@ -207,7 +216,7 @@ class BucketLayout:
 
 def _record(spec: ParamSpec) -> str:
     return json.dumps(
-        [spec.name, list(spec.shape), str(spec.dtype), spec.unit, spec.splittable],
+        [spec.name, list(spec.shape), str(spec.dtype), spec.unit, spec.splittable, spec.own_bucket],
         separators=(",", ":"),
         ensure_ascii=True,
     )
@@ -290,7 +299,8 @@ class Layout:
         return sum(b.shard_numel for b in self.buckets)
 
     def records(self) -> list[str]:
-        """One canonical line per parameter (name, shape, dtype, unit, splittable), in layout order."""
+        """One canonical line per parameter (name, shape, dtype, unit, splittable, own_bucket), in
+        layout order."""
         return [_record(spec) for spec in self.params]
 
     def fingerprint(self) -> str:
@@ -364,11 +374,12 @@ def build_layout(
         numel = spec.numel
         if open_slots is not None and open_key != key:
             open_slots = None
-        if numel > effective_numel and not spec.splittable:
+        split = numel > effective_numel and spec.splittable
+        if (spec.own_bucket or numel > effective_numel) and not split:
             open_slots = None
             raw.append((spec.unit, spec.dtype, [ParamSlot(spec.name, len(raw), 0, 0, numel)]))
             continue
-        if numel > effective_numel:
+        if split:
             open_slots = None
             for param_offset in range(0, numel, effective_numel):
                 piece_numel = min(effective_numel, numel - param_offset)
@@ -427,7 +438,7 @@ def first_difference(mine: Sequence[str], other: Sequence[str], other_rank: int)
 
     Returns:
         None if the records are equal, otherwise a message naming the first parameter that differs and
-        how: its shape, dtype, unit or splittability, its position (order), or that it is missing on / extra on the other
+        how: its shape, dtype, unit, splittability or own bucket, its position (order), or that it is missing on / extra on the other
         rank.
 
     Raises:

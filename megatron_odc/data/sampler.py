@@ -53,7 +53,7 @@ _STATE_VERSION = 1
 # Fields that decide which samples form each minibatch: a mismatch on resume is an error.
 _STRICT_FIELDS = ("num_samples", "global_batch_size", "seed", "shuffle", "drop_last")
 # Fields that only change how a minibatch is split: a mismatch on resume is logged.
-_LOOSE_FIELDS = ("dp_size", "plan_kind", "cap_tokens", "cost_model", "too_long")
+_LOOSE_FIELDS = ("dp_size", "plan_kind", "cap_tokens", "cost_model", "too_long", "pipeline_stages")
 
 
 def _shuffle(items: array.array, rng: random.Random) -> None:
@@ -121,6 +121,9 @@ class LengthBalancedSampler:
             length) or gets a microbatch of its own above the cap (``"alone"``). Never dropped.
         shuffle: shuffle the samples every epoch; else minibatches follow dataset order.
         drop_last: drop the last minibatch of an epoch when it is not full.
+        pipeline_stages: pipeline stages per DP replica; with more than 1, ``dp_size`` and
+            ``dp_rank`` count replicas and the plan's microbatches are chosen for the 1F1B schedule
+            (``make_plan(pipeline_stages=...)``, [Note: pipelines] in ``balance/plan.py``).
     """
 
     def __init__(
@@ -137,6 +140,7 @@ class LengthBalancedSampler:
         too_long: str = "error",
         shuffle: bool = True,
         drop_last: bool = False,
+        pipeline_stages: int = 1,
     ) -> None:
         # A read-only integer array, not copied when it is one already (a memory-mapped dataset's lengths
         # stay file-backed): see [Note: sampler memory].
@@ -188,6 +192,7 @@ class LengthBalancedSampler:
         self.too_long = too_long
         self.shuffle = shuffle
         self.drop_last = drop_last
+        self.pipeline_stages = pipeline_stages
         self._epoch = 0
         self._next_index = 0
         self._order_epoch: int | None = None
@@ -249,6 +254,7 @@ class LengthBalancedSampler:
             "cap_tokens": self.cap_tokens,
             "cost_model": [float(self.cost_model.a), float(self.cost_model.b)],
             "too_long": self.too_long,
+            "pipeline_stages": self.pipeline_stages,
             "lengths_crc32": self._lengths_crc32,
         }
 
@@ -344,6 +350,7 @@ class LengthBalancedSampler:
             cap_tokens=self.cap_tokens,
             cost_model=self.cost_model,
             too_long=self.too_long,
+            pipeline_stages=self.pipeline_stages,
         )
         per_rank = tuple(
             tuple(tuple(mb) for mb in plan.rank_microbatches(r)) for r in range(self.dp_size)

@@ -5,7 +5,8 @@ Owns, each written once:
 - ``BACKENDS`` (``odc``, ``fsdp``, ``ddp``, ``distopt``) and the subsets that share a property;
 - :class:`ODCConfig`, ODC's own options (one frozen dataclass whose ``__post_init__`` holds every check);
 - :data:`UNSUPPORTED` and :func:`refuse_unsupported`, the Megatron features a backend does not combine
-  with, each with its flag and reason.
+  with, each with its flag and reason; :func:`check_pipeline_layers`, the one layout megatron-core
+  cannot build that the entries check before building a model.
 
 Imports megatron nothing: the entries (``runner/``, ``integration/``) and the adapter (``data_parallel.py``,
 ``optimizer.py``) call these with what they know.
@@ -181,7 +182,13 @@ UNSUPPORTED: Mapping[str, Unsupported] = {
     "pipeline_model_parallel_size": Unsupported(
         "--pipeline-model-parallel-size > 1",
         ODC_ENGINE_BACKENDS,
-        "ODC does not support pipeline parallelism yet; use 1",
+        "the Megatron-LM launcher does not support pipeline parallelism with ODC yet; use 1, or "
+        "the plugin's own entry (python -m megatron_odc.train), which runs pipeline stages",
+    ),
+    "virtual_pipeline_model_parallel_size": Unsupported(
+        "--num-layers-per-virtual-pipeline-stage (virtual pipeline stages)",
+        ODC_ENGINE_BACKENDS,
+        "ODC runs megatron-core's 1F1B pipeline schedule, not the interleaved one; leave it unset",
     ),
     "context_parallel_size": Unsupported(
         "--context-parallel-size > 1",
@@ -218,7 +225,9 @@ UNSUPPORTED: Mapping[str, Unsupported] = {
     ),
 }
 """Setting (the ``args`` / config attribute) -> what a backend refuses about it. A setting is on when
-it is ``True`` or, for the ``*_size`` ones, larger than 1."""
+it is ``True`` or, for the ``*_size`` ones, larger than 1. ``pipeline_model_parallel_size`` is passed
+by the Megatron-LM launcher only: the wrapper and the plugin's entry run pipeline stages ([Note: ODC
+with pipeline stages] in ``pipeline.py``)."""
 
 
 def refuse_unsupported(backend: str, **settings: Any) -> None:
@@ -239,3 +248,17 @@ def refuse_unsupported(backend: str, **settings: Any) -> None:
             raise ValueError(
                 f"--dp-backend {backend} does not combine with {rule.flag}: {rule.reason}"
             )
+
+
+def check_pipeline_layers(num_layers: int, pipeline_stages: int) -> None:
+    """Refuse a number of layers that megatron-core cannot split into equal pipeline stages.
+
+    Raises:
+        ValueError: naming ``--num-layers`` and ``--pipeline-model-parallel-size``.
+    """
+    if num_layers % pipeline_stages:
+        raise ValueError(
+            f"--num-layers {num_layers} does not split into --pipeline-model-parallel-size "
+            f"{pipeline_stages} stages of equal layers; choose a number of layers divisible by "
+            f"{pipeline_stages}"
+        )

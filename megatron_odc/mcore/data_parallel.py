@@ -8,6 +8,10 @@ minibatch fence (plus the TP all-reduce of TP-replicated parameters' owned gradi
 ``zero_grad_buffer`` begins a minibatch. ``finalize_model_grads`` and megatron-core's schedules work
 unchanged; a rank with zero microbatches calls ``finalize_model_grads`` directly (``step.py``).
 
+With pipeline parallelism each stage's chunk is wrapped over its stage's DP group, and
+``finish_grad_sync`` also sums the tied embedding's owned gradient slices over the embedding group
+([Note: ODC with pipeline stages] in ``pipeline.py``).
+
 What is a unit and which parameters are TP-replicated: ``units.py``. FP8 parameters (TransformerEngine
 ``Float8Tensor`` under ``--fp8-param-gather``, or ``EmulatedFloat8Tensor``) go through the codec of
 ``fp8_te.py``; TE layers' fused wgrad writes into the ``main_grad`` the engine binds for each backward and
@@ -35,6 +39,7 @@ from megatron_odc.core.hooks import ODCHooks
 from megatron_odc.core.telemetry import format_line, reduce_across
 from megatron_odc.mcore.config import LOCKSTEP_TRANSPORT, ODCConfig, refuse_unsupported
 from megatron_odc.mcore.fp8_te import select_fp8_codec
+from megatron_odc.mcore.pipeline import TiedEmbedding, shared_embedding_names
 from megatron_odc.mcore.units import ROOT_UNIT, model_units, tp_replicated
 from megatron_odc.transport import build_transport, resolve_transport_name
 from megatron_odc.transport.devices import all_reduce_on_group_device
@@ -56,7 +61,9 @@ def check_supported(
     backend = "fsdp" if odc_config.transport == LOCKSTEP_TRANSPORT else "odc"
     refuse_unsupported(
         backend,
-        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        virtual_pipeline_model_parallel_size=(
+            parallel_state.get_virtual_pipeline_model_parallel_world_size()
+        ),
         context_parallel_size=parallel_state.get_context_parallel_world_size(),
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
         use_distributed_optimizer=ddp_config.use_distributed_optimizer,
@@ -76,7 +83,7 @@ class ODCDataParallel(DistributedDataParallel):
         module: the model (a ``GPTModel``, possibly inside ``Float16Module``); every DP rank must hold the
             same weights.
         disable_bucketing: accepted for signature compatibility; ODC buckets by unit and size.
-        pg_collection: optional process groups (``dp`` and ``tp`` are used).
+        pg_collection: optional process groups (``dp``, ``tp`` and ``embd`` are used).
         odc_config: ODC's own options (default ``ODCConfig()``); ``shard_group_size`` splits the DP
             group into shard groups x replica groups (``core/groups.py``).
     """
@@ -99,9 +106,11 @@ class ODCDataParallel(DistributedDataParallel):
         if pg_collection is not None:
             self.dp_group = pg_collection.dp
             self.tp_group = pg_collection.tp
+            embedding_group = getattr(pg_collection, "embd", None)
         else:
             self.dp_group = parallel_state.get_data_parallel_group()
             self.tp_group = parallel_state.get_tensor_model_parallel_group()
+            embedding_group = parallel_state.get_embedding_group(check_initialized=False)
         # Attributes megatron-core and Megatron-LM read off a DDP wrapper.
         self.buffers = []
         self.expert_parallel_buffers = []
@@ -113,6 +122,7 @@ class ODCDataParallel(DistributedDataParallel):
         self.overlap_param_gather_with_optimizer_step = False
 
         units = model_units(module)
+        self.tied_embedding = TiedEmbedding.of_stage(units.named_params, embedding_group)
         first = next(module.parameters(), None)
         # Hybrid sharding: the transport and the layout span the shard group, the replica group
         # sums the owned accumulators once per minibatch ([Note: hybrid sharding] in core/groups.py).
@@ -157,7 +167,10 @@ class ODCDataParallel(DistributedDataParallel):
                 unsharded_budget=odc_config.unsharded_budget,
                 root_unit=ROOT_UNIT if units.has_root else None,
                 replica_group=self.topology.replica_group,
+                own_buckets=shared_embedding_names(units.named_params),
             )
+            if self.tied_embedding is not None:
+                self.tied_embedding.check_owned_ranges(self.engine)
         except BaseException:
             transport.close()  # a refused model (e.g. weights differ across DP) leaks no files or fds
             raise
@@ -186,9 +199,12 @@ class ODCDataParallel(DistributedDataParallel):
         """Nothing to start: pushes already left during backward."""
 
     def finish_grad_sync(self, force_all_reduce: bool | None = False) -> None:
-        """The minibatch fence: after it every owner holds the full gradient sums of its shards."""
+        """The minibatch fence: after it every owner holds the full gradient sums of its shards (TP-
+        replicated parameters summed over TP, a tied embedding over the first and last stage)."""
         self.engine.finish_minibatch()
         self._allreduce_tp_replicated_grads()
+        if self.tied_embedding is not None:
+            self.tied_embedding.allreduce_grads(self.engine)
 
     def _allreduce_tp_replicated_grads(self) -> None:
         """Sum (partial grads) or average (replicated grads) owned gradient slices over the TP group.

@@ -2,7 +2,8 @@
 
 The builder uses CPU weight initialisation, so a model built from the same seed holds the same *full*
 weights under every tensor-parallel layout (each TP layer draws its full master weight from the CPU
-generator and keeps its partition); the layer spec is megatron-core's local one (no TransformerEngine)
+generator and keeps its partition); with pipeline stages each rank builds its stage's layers (the first
+stage the embeddings, the last the output layer); the layer spec is megatron-core's local one (no TransformerEngine)
 or, where TE is installed, TE's, with FP8 compute if asked. ``parallel.model_parallel`` (or
 ``parallel_state.initialize_model_parallel``) must be active; on CPU, apply ``integration/cpu.py``'s
 ``apply_cpu_patches`` first.
@@ -20,6 +21,8 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.nn import functional
+
+from megatron_odc.mcore.config import check_pipeline_layers
 
 
 def params_dtype(*, bf16: bool, fp16: bool) -> torch.dtype:
@@ -115,7 +118,8 @@ def transformer_config(cfg: GPTConfig) -> TransformerConfig:
     """Build the TransformerConfig for ``cfg`` with the current TP size and CPU-safe options.
 
     Raises:
-        ValueError: heads or vocabulary not divisible by the TP size, or sequence parallelism at TP=1.
+        ValueError: heads or vocabulary not divisible by the TP size, sequence parallelism at TP=1, or
+            layers that do not split into the pipeline stages.
     """
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     if cfg.num_attention_heads % tp_size:
@@ -132,12 +136,22 @@ def transformer_config(cfg: GPTConfig) -> TransformerConfig:
         raise ValueError(f"vocab_size={cfg.vocab_size} is not divisible by TP size {tp_size}")
     if cfg.sequence_parallel and tp_size == 1:
         raise ValueError("sequence_parallel=True needs a tensor-parallel size > 1")
+    pp_size = parallel_state.get_pipeline_model_parallel_world_size()
+    check_pipeline_layers(cfg.num_layers, pp_size)
     return TransformerConfig(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,
         ffn_hidden_size=cfg.ffn_hidden_size,
         tensor_model_parallel_size=tp_size,
+        pipeline_model_parallel_size=pp_size,
+        # Pipeline stages: activations of any length cross between stages (packed microbatches
+        # differ in length; megatron-core sends each shape first; its check of that against MoE's
+        # default allgather dispatcher is moot without experts), and a sent activation's memory is
+        # freed as Megatron-LM does.
+        variable_seq_lengths=pp_size > 1,
+        moe_token_dispatcher_type="alltoall" if pp_size > 1 else "allgather",
+        deallocate_pipeline_outputs=pp_size > 1,
         sequence_parallel=cfg.sequence_parallel,
         params_dtype=cfg.params_dtype,
         pipeline_dtype=cfg.params_dtype,
@@ -229,6 +243,8 @@ def build_gpt_model(
         )
     return GPTModel(
         config=config,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
         transformer_layer_spec=spec,
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.seq_length,

@@ -2,8 +2,8 @@
 
 :func:`model_parallel` initialises ``parallel_state`` with the TP and PP sizes for the duration of a
 block and yields the data-parallel coordinates the rest of the run needs (the DP rank and size, whose
-ranks form one length-balancing plan, and the DP group). Everything else about megatron's groups stays
-inside the adapter.
+ranks form one length-balancing plan, the DP group, and the pipeline stage). Everything else about
+megatron's groups stays inside the adapter.
 """
 
 from __future__ import annotations
@@ -23,12 +23,16 @@ class DataParallelCoordinates:
     Attributes:
         dp_rank: this rank's index in its DP group (the TP ranks of one replica share it).
         dp_size: ranks in the DP group.
-        dp_group: the DP process group.
+        dp_group: the DP process group (of this rank's pipeline stage).
+        pp_rank: this rank's pipeline stage.
+        pp_size: pipeline stages.
     """
 
     dp_rank: int
     dp_size: int
     dp_group: dist.ProcessGroup
+    pp_rank: int = 0
+    pp_size: int = 1
 
 
 @contextlib.contextmanager
@@ -54,6 +58,8 @@ def model_parallel(
             parallel_state.get_data_parallel_rank(),
             parallel_state.get_data_parallel_world_size(),
             parallel_state.get_data_parallel_group(),
+            parallel_state.get_pipeline_model_parallel_rank(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
         )
     finally:
         parallel_state.destroy_model_parallel()

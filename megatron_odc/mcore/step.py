@@ -5,9 +5,12 @@ per-token loss contract (``config.calculate_per_token_loss``): each microbatch's
 ``finalize_model_grads`` all-reduces the token count over DP and scales the gradients by its inverse, so
 ranks may run different numbers of microbatches and the result equals one process running them all. A rank
 with zero microbatches skips the schedule and calls ``finalize_model_grads`` itself with a zero count
-(:func:`finalize_without_microbatches`, also what the Megatron-LM integration runs). Works for every
-backend: ODC, FSDP, megatron-core DDP / distopt. :func:`per_token_loss` and :func:`gpt_forward_step` are
-the loss and forward step of a GPT on packed batches.
+(:func:`finalize_without_microbatches`, also what the Megatron-LM integration runs). With pipeline
+stages the schedule is megatron-core's 1F1B, every stage of a DP replica runs the replica's microbatches
+(checked first: :func:`~megatron_odc.mcore.pipeline.check_pipeline_counts`) and a replica with none
+skips the schedule on every stage. Works for every backend: ODC, FSDP, megatron-core DDP / distopt.
+:func:`per_token_loss` and :func:`gpt_forward_step` are the loss and forward step of a GPT on packed
+batches.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
+from megatron_odc.mcore.pipeline import check_pipeline_counts
 from megatron_odc.transport.devices import collective_device
 
 
@@ -79,7 +83,8 @@ def train_step(
         model: the DP-wrapped model chunk.
         optimizer: a Megatron optimizer (``step()`` returns ``(success, grad_norm, num_zeros)``).
         forward_step_func: Megatron's ``forward_step_func(data_iterator, model)``.
-        microbatches: this rank's microbatches, consumed in order through an iterator.
+        microbatches: this rank's microbatches, consumed in order through an iterator (with pipeline
+            stages: its DP replica's, the same on every stage).
         seq_length: sequence length passed to the schedule.
         micro_batch_size: micro batch size passed to the schedule.
         phase: called with ``"forward-backward"`` and ``"optimizer step"``; the block of each runs
@@ -95,6 +100,7 @@ def train_step(
             "uneven microbatch counts need --calculate-per-token-loss "
             "(TransformerConfig.calculate_per_token_loss=True)"
         )
+    check_pipeline_counts(len(microbatches))
     model.zero_grad_buffer()
     optimizer.zero_grad()
     with phase("forward-backward"):

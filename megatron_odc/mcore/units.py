@@ -5,7 +5,8 @@ parameter (embeddings, final norm, output layer, a tied embedding used at both e
 unit, fetched for the whole forward and backward of a microbatch. :func:`model_units` returns the units
 in forward order and each parameter's unit, root first. Also owns the TP-replicated sets
 (:func:`tp_replicated`): parameters whose owned gradient slices are summed or averaged over TP after the
-fence. Pipeline stages would be cut here.
+fence. With pipeline stages each stage's chunk is cut on its own ([Note: ODC with pipeline stages] in
+``pipeline.py``).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import os
 
 from megatron_odc.core.fp8 import FP8_FORMATS, FP8_RECIPES, check_fp8_flags
 from megatron_odc.data.indexed_sft import is_indexed_sft, sidecar_path
-from megatron_odc.mcore.config import refuse_unsupported
+from megatron_odc.mcore.config import check_pipeline_layers
 from megatron_odc.runner.launch_env import check_mpi_launch
 from megatron_odc.runner.odc_flags import add_odc_arguments, resolve_odc_args
 from megatron_odc.runner.tensorboard import require_packages
@@ -188,7 +188,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--pipeline-model-parallel-size",
         type=int,
         default=1,
-        help="pipeline-parallel size (only 1 is supported)",
+        help="pipeline stages (megatron-core's 1F1B schedule); the plan is made over the DP "
+        "replicas, each of whose stages runs the replica's microbatches",
+    )
+    parallel.add_argument(
+        "--num-layers-per-virtual-pipeline-stage",
+        type=int,
+        default=None,
+        help="the interleaved pipeline schedule: not supported (refused)",
     )
     parallel.add_argument(
         "--sequence-parallel", action="store_true", help="Megatron sequence parallelism (TP > 1)"
@@ -463,6 +470,8 @@ _POSITIVE = (
     "save_interval",
     "exit_interval",
     "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "num_layers_per_virtual_pipeline_stage",
     "max_tokens_per_microbatch",
     "synthetic_num_samples",
     "num_query_groups",
@@ -483,19 +492,29 @@ def _check_parallelism(args: argparse.Namespace, world_size: int) -> None:
         raise ValueError(
             f"--distributed-timeout-minutes must be > 0, got {args.distributed_timeout_minutes}"
         )
-    refuse_unsupported(
-        args.dp_backend, pipeline_model_parallel_size=args.pipeline_model_parallel_size
-    )
-    if args.pipeline_model_parallel_size != 1:
+    tp_size, pp_size = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if args.num_layers_per_virtual_pipeline_stage is not None:
         raise ValueError(
-            f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: this entry "
-            "supports only 1"
+            "--num-layers-per-virtual-pipeline-stage: this entry runs megatron-core's 1F1B "
+            "pipeline schedule (one model chunk per rank), not the interleaved one; drop the flag"
         )
-    tp_size = args.tensor_model_parallel_size
     if world_size % tp_size:
         raise ValueError(
             f"--tensor-model-parallel-size {tp_size} does not divide the world size {world_size}"
         )
+    if world_size % (tp_size * pp_size):
+        raise ValueError(
+            f"--tensor-model-parallel-size {tp_size} x --pipeline-model-parallel-size {pp_size} "
+            f"does not divide the world size {world_size}"
+        )
+    check_pipeline_layers(args.num_layers, pp_size)
+    if pp_size > 1:
+        for flag, value in (("--load-hf", args.load_hf), ("--save-hf", args.save_hf)):
+            if value is not None:
+                raise ValueError(
+                    f"{flag} does not combine with --pipeline-model-parallel-size {pp_size} yet "
+                    "(the Hugging Face bridge maps a whole model); use 1"
+                )
     if args.num_attention_heads % tp_size:
         raise ValueError(
             f"--num-attention-heads {args.num_attention_heads} is not divisible by "

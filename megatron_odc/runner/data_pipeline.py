@@ -6,8 +6,9 @@ turning of this rank's planned microbatches into batch tensors on the training d
 
 [Note: one training iteration]
 Every DP rank computes the same plan for the minibatch (no communication) and takes its own
-microbatches; DP rank and size come from megatron's parallel state, so the TP ranks of one DP replica
-get the same microbatches. Each SFT microbatch is packed into one sequence (samples separated by a
+microbatches; DP rank and size come from megatron's parallel state, so the TP ranks and pipeline stages
+of one DP replica get the same microbatches (with pipeline stages the plan is made over the replicas
+and chooses microbatches for the 1F1B schedule: [Note: pipelines] in ``balance/plan.py``). Each SFT microbatch is packed into one sequence (samples separated by a
 block-diagonal causal mask, position ids restarting per sample, padded to a multiple of 8 and never
 beyond ``--seq-length``). The loss function returns token *sums*; ``finalize_model_grads`` all-reduces
 the token count over DP and divides the gradients by it, so the update is the exact global per-token
@@ -139,6 +140,7 @@ class DataPipeline:
             too_long="truncate",
             shuffle=args.sft,  # GPTDataset shuffles its samples itself
             drop_last=True,
+            pipeline_stages=args.pipeline_model_parallel_size,
         )
         logger.info(
             "data (%s): %s, %d samples, %d tokens (longest %d), vocab %d (tokenizer %d)",

@@ -1,7 +1,8 @@
 """TensorBoard and wandb: the log line's figures as scalars, under Megatron-LM's tag names.
 
 :class:`MetricsWriter` (rank 0 only: it writes the text log, so both show the same numbers; Megatron-LM
-writes from the last rank, where its last pipeline stage holds the loss, and this entry has one stage)
+writes from the last rank, where its last pipeline stage holds the loss; this entry sends the loss to
+every stage, so rank 0, on the first stage, has it too)
 takes each :class:`~megatron_odc.runner.log.LogFigures` when its line is logged and records:
 
 - per iteration, every ``--tensorboard-log-interval`` iterations (Megatron-LM's ``training_log``

@@ -15,7 +15,10 @@
 One iteration ([Note: one training iteration] in ``data_pipeline.py``): take this rank's planned
 microbatches, run megatron-core's schedule over them (``mcore.step.train_step``; a rank with none only
 joins the fence), step the scheduler, log every ``--log-interval`` iterations, save every
-``--save-interval``.
+``--save-interval``. With ``--pipeline-model-parallel-size`` > 1 the plan is made over DP replicas,
+every stage of a replica runs its microbatches under the 1F1B schedule, and the last stage's loss is
+sent to the other stages of its pipeline, so every rank logs and checks the same loss ([Note: ODC with
+pipeline stages] in ``mcore/pipeline.py``).
 
 [Note: bitwise resume]
 A checkpoint's extra state holds the sampler position, the scheduler state, the consumed samples and
@@ -43,6 +46,7 @@ from megatron_odc.mcore.backends import build_backend
 from megatron_odc.mcore.config import LOCKSTEP_BACKENDS, ODC_ENGINE_BACKENDS, ODCConfig
 from megatron_odc.mcore.model import FP8Settings, GPTConfig, build_gpt_model, with_mixed_precision
 from megatron_odc.mcore.parallel import DataParallelCoordinates, model_parallel
+from megatron_odc.mcore.pipeline import from_last_stage
 from megatron_odc.mcore.step import gpt_forward_step, train_step
 from megatron_odc.runner import checkpoint, errors
 from megatron_odc.runner.data_pipeline import DataPipeline
@@ -155,11 +159,12 @@ class Trainer:
         self.health = health
         self.dp_group = coordinates.dp_group
         logger.info(
-            "megatron_odc.train: world %d (DP %d x TP %d) on %s | --dp-backend %s | --balance %s | "
-            "%d layers, hidden %d, %d heads, seq %d",
+            "megatron_odc.train: world %d (DP %d x TP %d x PP %d) on %s | --dp-backend %s | "
+            "--balance %s | %d layers, hidden %d, %d heads, seq %d",
             dist.get_world_size(),
             coordinates.dp_size,
             args.tensor_model_parallel_size,
+            coordinates.pp_size,
             device.type,
             args.dp_backend,
             args.balance,
@@ -271,6 +276,7 @@ class Trainer:
             pair = torch.stack([r["lm loss"].double() for r in report["losses"]]).sum(dim=0)
         else:
             pair = torch.zeros(2, dtype=torch.float64)
+        pair = from_last_stage(pair)  # every stage logs and checks the pipeline's loss
         num_tokens = sum(assignment.plan.lengths.values())
         grad_norm = report["grad_norm"]
         if args.check_for_nan_in_loss_and_grad:

@@ -364,6 +364,45 @@ def test_unsplittable_param_gets_one_oversized_bucket_of_its_own():
         ParamSpec("x", (1,), u8, splittable="no")
 
 
+def test_own_bucket_param_has_the_same_shards_whatever_its_neighbours():
+    """The tied embedding's two copies (first and last pipeline stage) get equal owned ranges."""
+    f32 = torch.float32
+    first = [
+        ParamSpec("emb", (13, 5), f32, "root", own_bucket=True),
+        ParamSpec("pos", (7,), f32, "root"),
+    ]
+    last = [
+        ParamSpec("norm", (5,), f32, "root"),
+        ParamSpec("out", (13, 5), f32, "root", own_bucket=True),
+        ParamSpec("norm_bias", (5,), f32, "root"),
+    ]
+    for bucket_numel in (1000, 24):  # alone in one bucket; split over three
+        a = build_layout(first, dp_size=3, bucket_numel=bucket_numel, alignment=4)
+        b = build_layout(last, dp_size=3, bucket_numel=bucket_numel, alignment=4)
+        for layout, name in ((a, "emb"), (b, "out")):
+            for index in {s.bucket_index for s in layout.slots_of(name)}:
+                assert [s.name for s in layout.buckets[index].slots] == [name]
+
+        def owned(layout, name, rank):
+            return [
+                (s.param_offset + lo, s.param_offset + hi)
+                for bucket in layout.buckets
+                for s, lo, hi in bucket.owned_pieces(rank)
+                if s.name == name
+            ]
+
+        for rank in range(3):
+            assert owned(a, "emb", rank) == owned(b, "out", rank), (bucket_numel, rank)
+        assert sorted(x for r in range(3) for x in owned(a, "emb", r))[0][0] == 0
+    # Without the flag the neighbours shift the shards.
+    plain = build_layout(
+        [ParamSpec("norm", (5,), f32, "root"), ParamSpec("out", (13, 5), f32, "root")], 3, 1000, 4
+    )
+    assert [s.name for s in plain.buckets[0].slots] == ["norm", "out"]
+    with pytest.raises(ValueError, match="own_bucket must be a bool"):
+        ParamSpec("x", (1,), f32, own_bucket=1)
+
+
 def test_zero_element_params_alone_still_get_a_nonempty_bucket():
     specs = [
         ParamSpec("w", (10,), torch.float32, "a"),
@@ -453,6 +492,13 @@ def _mutations(specs: list[ParamSpec], rng: random.Random):
         "splittable",
     )
     yield (
+        replaced(
+            ParamSpec(spec.name, spec.shape, spec.dtype, spec.unit, own_bucket=not spec.own_bucket)
+        ),
+        spec.name,
+        "own_bucket",
+    )
+    yield (
         replaced(ParamSpec(spec.name + "_r", spec.shape, spec.dtype, spec.unit)),
         spec.name,
         "missing",
@@ -523,7 +569,7 @@ KNOWN_SPECS = (
     ("decoder.layers.0.self_attention.linear_qkv.bias", (24,), "float32", "layers.0"),
     ("decoder.final_layernorm.weight", (8,), "float32", ""),
 )
-KNOWN_FINGERPRINT = "41bafd859113bf6e6ad16f4dde2c0149b028780de77044d534692497d2ec98eb"  # version 2
+KNOWN_FINGERPRINT = "c8bdca47f1b8ff71962da2e7bcf39772acfb6ea5ae6cad8866546b57dd153d0f"  # version 3
 
 
 def _known_layout() -> Layout:

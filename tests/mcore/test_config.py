@@ -74,9 +74,11 @@ def test_every_refusal_names_backend_and_flag_and_spares_the_others() -> None:
             refuse_unsupported(backend, **{key: None})
 
 
-def test_pipeline_parallelism_is_refused_by_the_odc_engine_only() -> None:
+def test_pipeline_parallelism_is_refused_for_the_megatron_lm_launcher_only() -> None:
+    """The wrapper and the plugin's entry run pipeline stages (``test_pipeline.py``); the Megatron-LM
+    launcher, the one caller that passes the setting, refuses it for the ODC engine's backends."""
     for backend in ODC_ENGINE_BACKENDS:
-        with pytest.raises(ValueError, match="does not support pipeline parallelism"):
+        with pytest.raises(ValueError, match="Megatron-LM launcher does not support pipeline"):
             refuse_unsupported(backend, pipeline_model_parallel_size=2)
     refuse_unsupported("ddp", pipeline_model_parallel_size=2)
     with pytest.raises(KeyError):

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests._dist import RankFailureError, run_ranks
+from tests._dist import run_ranks
 from tests._megatron import SMALL_GPT
 from tests._mpi import requires_mpi, run_mpi
 
@@ -196,32 +196,6 @@ def test_odc_over_mpi_matches_megatron_ddp_with_uneven_counts() -> None:
     assert {res["transport"] for res in results} == {"MpiTransport"}
     _assert_parity(results, steps)
     assert results[0]["telemetry"]["num_microbatches_min"] == 0
-
-
-def _run_bad_pp(rank, world_size):
-    from megatron.core import parallel_state
-
-    from megatron_odc.integration.cpu import apply_cpu_patches
-
-    apply_cpu_patches()
-    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
-    try:
-        from megatron.core.distributed import DistributedDataParallelConfig
-
-        from megatron_odc.mcore.data_parallel import ODCDataParallel
-        from megatron_odc.mcore.model import GPTConfig, transformer_config
-
-        cfg = GPTConfig(**CFG_KW)
-        config = transformer_config(cfg)
-        ODCDataParallel(config, DistributedDataParallelConfig(), torch.nn.Linear(2, 2))
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.barrier()
-
-
-def test_pipeline_parallelism_is_refused_at_construction() -> None:
-    with pytest.raises(RankFailureError, match=r"does not support pipeline parallelism"):
-        run_ranks(_run_bad_pp, 2, timeout_s=120)
 
 
 def _run_float16_state_dict(rank, world_size):

@@ -23,7 +23,6 @@ costs more than the cases):
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 import time
 from pathlib import Path
@@ -37,6 +36,7 @@ from megatron_odc.mcore.config import ODCConfig
 from megatron_odc.transport.hosts import LOCAL_WORLD_SIZE_ENV
 from tests._dist import run_ranks
 from tests._megatron import SMALL_GPT
+from tests._recording import record_collectives
 
 RANKS_PER_HOST = 2
 WORLD = 4
@@ -139,40 +139,6 @@ def _pretend_hosts(ranks_per_host: int | None):
             os.environ[LOCAL_WORLD_SIZE_ENV] = saved
 
 
-@contextlib.contextmanager
-def _record_collectives(log: list):
-    """Append ``("collective", name, group's global ranks, numel of the tensor argument)`` per call."""
-    saved = []
-
-    def recorder(fn, name):
-        signature = inspect.signature(fn)
-
-        def inner(*args, **kwargs):
-            arguments = signature.bind_partial(*args, **kwargs).arguments
-            group = arguments.get("group")
-            ranks = (
-                dist.get_process_group_ranks(group)
-                if group is not None
-                else list(range(dist.get_world_size()))
-            )
-            tensor = arguments.get("tensor")
-            numel = tensor.numel() if isinstance(tensor, torch.Tensor) else -1
-            log.append(("collective", name, tuple(sorted(ranks)), numel))
-            return fn(*args, **kwargs)
-
-        return inner
-
-    for name in ("all_reduce", "all_gather", "all_gather_object", "broadcast", "barrier"):
-        fn = getattr(dist, name)
-        saved.append((name, fn))
-        setattr(dist, name, recorder(fn, name))
-    try:
-        yield
-    finally:
-        for name, fn in saved:
-            setattr(dist, name, fn)
-
-
 # ---------------------------------------------------------------------- rank-side cases
 
 
@@ -223,7 +189,7 @@ def _check_parity(cfg) -> dict:
     }
     for step, counts in enumerate(COUNTS):
         start = len(log)
-        with _record_collectives(log):
+        with record_collectives(log):
             odc = _step(odc_model, odc_opt, cfg, step, counts)
         events = log[start:]
         ddp = _step(ddp_model, ddp_opt, cfg, step, counts)

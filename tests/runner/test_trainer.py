@@ -50,10 +50,9 @@ def _validated(argv: list[str], world_size: int = 2):
 
 
 BAD_FLAGS = [
-    (
-        ["--dp-backend", "odc", "--pipeline-model-parallel-size", "2"],
-        "--pipeline-model-parallel-size",
-    ),
+    (["--pipeline-model-parallel-size", "2", "--num-layers", "3"], "--num-layers 3"),
+    (["--pipeline-model-parallel-size", "4"], "--pipeline-model-parallel-size 4"),  # world 2
+    (["--num-layers-per-virtual-pipeline-stage", "1"], "--num-layers-per-virtual-pipeline-stage"),
     (["--balance", "lb_mini", "--dp-backend", "fsdp"], "--balance"),
     (["--balance", "local_sort", "--dp-backend", "fsdp"], "--balance"),
     (["--dp-backend", "fsdp", "--odc-transport", "shm"], "--odc-transport"),
@@ -317,6 +316,55 @@ def _run_backends(rank: int, world_size: int, workdir: str) -> dict[str, dict[in
     results["pretrain odc"] = _train_losses(pretrain)
     results["pretrain ddp"] = _train_losses([*pretrain, "--dp-backend", "ddp"])
     return results
+
+
+def _run_pipeline(rank: int, world_size: int, workdir: str) -> dict[str, object]:
+    """PP=2 x DP=2 through the entry: ODC (also with every unit kept unsharded), the lockstep fsdp
+    baseline (LB-Micro's equal counts) and megatron-core DDP (the same init: the same layout)."""
+    del rank, world_size
+    os.chdir(workdir)
+    common = [*SMALL, "--train-iters", "4", "--num-layers", "4", "--pipeline-model-parallel-size"]
+    common += ["2", "--distributed-timeout-minutes", "2"]
+    from megatron_odc.train import run
+
+    out: dict[str, object] = {}
+    runs = {
+        "odc": [],
+        "odc keep-all": ["--odc-unsharded-budget", "all"],
+        "fsdp": ["--dp-backend", "fsdp"],
+        "ddp": ["--dp-backend", "ddp"],
+    }
+    for name, extra in runs.items():
+        args = validate_args(build_parser().parse_args([*common, *extra]), world_size=4)
+        result = run(args)
+        out[name] = result.losses
+        out[f"{name} norms"] = result.grad_norms
+    import torch
+
+    from megatron_odc.runner.data_pipeline import DataPipeline
+
+    data = DataPipeline(args, dp_rank=0, dp_size=2, device=torch.device("cpu"))
+    out["counts"] = [data.sampler.assignment(0, i).num_microbatches_per_rank for i in range(4)]
+    data.close()
+    return out
+
+
+def test_pipeline_stages_train_through_the_entry(tmp_path):
+    """Every rank (both stages) logs the pipeline's loss; ODC equals megatron-core DDP, with the
+    pipeline-aware plan's uneven counts per replica."""
+    results = run_ranks(_run_pipeline, 4, str(tmp_path), timeout_s=240)
+    assert any(len(set(c)) > 1 for c in results[0]["counts"]), results[0]["counts"]
+    odc, ddp = results[0]["odc"], results[0]["ddp"]
+    assert sorted(odc) == sorted(ddp) == [1, 2, 3, 4]
+    assert abs(odc[1] - math.log(384)) < 0.3, odc
+    for res in results:  # the first stage's ranks log what the last stage computed
+        assert res["odc"] == odc
+        assert res["odc norms"] == results[0]["odc norms"]
+    for name in ("odc", "odc keep-all", "fsdp"):
+        for it, loss in results[0][name].items():
+            assert loss == pytest.approx(ddp[it], rel=1e-5), (name, it)
+            norm = results[0][f"{name} norms"][it]
+            assert norm == pytest.approx(results[0]["ddp norms"][it], rel=1e-5), (name, it)
 
 
 def test_backends_and_plans_train_the_same_model(tmp_path):
