@@ -207,6 +207,7 @@ def build_megatron_ddp(
     clip_grad: float = 1.0,
     overlap_grad_reduce: bool = False,
     bucket_size: int | None = None,
+    **optimizer_options,
 ) -> tuple[DistributedDataParallel, torch.nn.Module]:
     """Wrap ``model`` in megatron-core's DDP and build its Adam optimizer with ``get_megatron_optimizer``.
 
@@ -214,7 +215,8 @@ def build_megatron_ddp(
     ``grad_scale_func`` and (with ``overlap_grad_reduce``) ``no_sync_func``.
 
     Returns:
-        (ddp_model, optimizer); the optimizer is megatron's ``ChainedOptimizer``.
+        (ddp_model, optimizer); the optimizer is megatron's ``ChainedOptimizer``; ``optimizer_options``
+        (e.g. ``adam_eps``) go to its ``OptimizerConfig``.
     """
     config = model.config
     ddp_config = DistributedDataParallelConfig(
@@ -225,7 +227,12 @@ def build_megatron_ddp(
     )
     ddp_model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     opt_config = adam_config(
-        config, lr, weight_decay, clip_grad, use_distributed_optimizer=use_distributed_optimizer
+        config,
+        lr,
+        weight_decay,
+        clip_grad,
+        use_distributed_optimizer=use_distributed_optimizer,
+        **optimizer_options,
     )
     with cuda_type_names():
         optimizer = get_megatron_optimizer(opt_config, [ddp_model])
