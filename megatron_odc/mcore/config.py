@@ -179,12 +179,6 @@ class Unsupported:
 _SHARDED = "ODC already shards parameters, gradients and optimizer state"
 
 UNSUPPORTED: Mapping[str, Unsupported] = {
-    "pipeline_model_parallel_size": Unsupported(
-        "--pipeline-model-parallel-size > 1",
-        ODC_ENGINE_BACKENDS,
-        "the Megatron-LM launcher does not support pipeline parallelism with ODC yet; use 1, or "
-        "the plugin's own entry (python -m megatron_odc.train), which runs pipeline stages",
-    ),
     "virtual_pipeline_model_parallel_size": Unsupported(
         "--num-layers-per-virtual-pipeline-stage (virtual pipeline stages)",
         ODC_ENGINE_BACKENDS,
@@ -225,9 +219,9 @@ UNSUPPORTED: Mapping[str, Unsupported] = {
     ),
 }
 """Setting (the ``args`` / config attribute) -> what a backend refuses about it. A setting is on when
-it is ``True`` or, for the ``*_size`` ones, larger than 1. ``pipeline_model_parallel_size`` is passed
-by the Megatron-LM launcher only: the wrapper and the plugin's entry run pipeline stages ([Note: ODC
-with pipeline stages] in ``pipeline.py``)."""
+it is ``True`` or, for the ``*_size`` ones, larger than 1. Pipeline stages themselves are not refused
+(the wrapper, the plugin's entry and the Megatron-LM launcher run megatron-core's 1F1B: [Note: ODC with
+pipeline stages] in ``pipeline.py``); virtual stages (the interleaved schedule) are."""
 
 
 def refuse_unsupported(backend: str, **settings: Any) -> None:

@@ -60,6 +60,7 @@ _FAKE_FILES = {
             parser.add_argument('--global-batch-size', type=int, default=None)
             parser.add_argument('--seq-length', type=int, default=None)
             parser.add_argument('--pipeline-model-parallel-size', type=int, default=1)
+            parser.add_argument('--num-virtual-stages-per-pipeline-rank', type=int, default=None)
             parser.add_argument('--use-distributed-optimizer', action='store_true')
             parser.add_argument('--use-megatron-fsdp', action='store_true')
             parser.add_argument('--use-torch-fsdp2', action='store_true')
@@ -89,6 +90,9 @@ _FAKE_FILES = {
                 assert args.use_distributed_optimizer or not torch.is_grad_enabled(), \
                     '--fp8-param-gather only supported with distributed optimizer, or inference mode'
             args.validated = (args.fp8_param_gather, torch.is_grad_enabled())  # as printed
+            # core_v0.16.1 derives the virtual stages here (None for one)
+            vpp = args.num_virtual_stages_per_pipeline_rank
+            args.virtual_pipeline_model_parallel_size = vpp if vpp and vpp > 1 else None
             return args
     """,
     "megatron/training/initialize.py": """
@@ -224,8 +228,16 @@ def _check_flags(arguments, initialize) -> dict:
     stock = _parse(initialize, BASE_ARGV)
     distopt = _parse(initialize, [*BASE_ARGV, "--dp-backend", "distopt"])
     refusals = {}
+    sys.argv = [*BASE_ARGV, "--dp-backend", "odc", "--pipeline-model-parallel-size", "2"]
+    refusals["pp_accepted"] = _error_of(lambda: arguments.parse_args())
+    vpp = ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2"]
+    refusals["vpp"] = _error_of(
+        lambda: _parse(initialize, [*BASE_ARGV, "--dp-backend", "odc", *vpp])
+    )
+    refusals["vpp_ddp_accepted"] = _error_of(
+        lambda: _parse(initialize, [*BASE_ARGV, "--dp-backend", "ddp", *vpp])
+    )
     for extra_argv in (
-        ["--pipeline-model-parallel-size", "2"],
         ["--use-megatron-fsdp"],
         ["--use-torch-fsdp2"],
         ["--use-distributed-optimizer"],
@@ -556,6 +568,11 @@ def test_flags_are_composed_and_postprocessed(fake_results) -> None:
     # --save / --load are accepted with torch_dist (Megatron-LM's checkpointing through the ODC
     # overrides) and refused, naming the format, with any other --ckpt-format.
     assert refusals.pop("torch_dist_accepted") == ""
+    # Pipeline stages run Megatron-LM's 1F1B; virtual stages (interleaved) are refused by name after
+    # validate_args derives them, for the ODC engine only.
+    assert refusals.pop("pp_accepted") == ""
+    assert "--num-layers-per-virtual-pipeline-stage" in refusals.pop("vpp"), refusals
+    assert refusals.pop("vpp_ddp_accepted") == ""
     for flag in ("--save", "--load"):
         assert flag in refusals[flag], refusals
         assert "--ckpt-format torch_dist" in refusals[flag], refusals
@@ -717,6 +734,22 @@ def test_launch_env_reads_the_transport_of_megatron_lm_argv(monkeypatch) -> None
 def test_pretrain_gpt_end_to_end_odc_equals_ddp(tmp_path) -> None:
     odc = pretrain_gpt_losses("odc", tmp_path)
     ddp = pretrain_gpt_losses("ddp", tmp_path)
+    for it, loss in ddp.items():
+        assert odc[it] == pytest.approx(loss, rel=1e-5), (it, odc, ddp)
+    assert ddp[1] != ddp[6]  # training moved
+
+
+@pytest.mark.usefixtures("megatron_lm_path")
+@pytest.mark.timeout(600)
+def test_pretrain_gpt_pipeline_odc_equals_ddp(tmp_path) -> None:
+    """PP=2 x DP=2 (4 ranks, tied embeddings): ODC's stages sharded over their DP groups under
+    Megatron-LM's own 1F1B, with the balanced loader's counts, equal Megatron-LM's DDP with the same
+    pipeline layout."""
+    pp = ("--pipeline-model-parallel-size", "2")
+    odc = pretrain_gpt_losses(
+        "odc", tmp_path, *pp, nproc=4, log_holds=("BalancedPretrainingLoader",)
+    )
+    ddp = pretrain_gpt_losses("ddp", tmp_path, *pp, nproc=4)
     for it, loss in ddp.items():
         assert odc[it] == pytest.approx(loss, rel=1e-5), (it, odc, ddp)
     assert ddp[1] != ddp[6]  # training moved

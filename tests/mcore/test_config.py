@@ -74,12 +74,13 @@ def test_every_refusal_names_backend_and_flag_and_spares_the_others() -> None:
             refuse_unsupported(backend, **{key: None})
 
 
-def test_pipeline_parallelism_is_refused_for_the_megatron_lm_launcher_only() -> None:
-    """The wrapper and the plugin's entry run pipeline stages (``test_pipeline.py``); the Megatron-LM
-    launcher, the one caller that passes the setting, refuses it for the ODC engine's backends."""
+def test_pipeline_stages_are_not_refused_but_virtual_stages_are() -> None:
+    """Every entry runs megatron-core's 1F1B with ODC (``test_pipeline.py``, the Megatron-LM launcher's
+    ``test_pretrain_gpt_pipeline_odc_equals_ddp``); the interleaved schedule is refused by name."""
+    assert "pipeline_model_parallel_size" not in UNSUPPORTED
     for backend in ODC_ENGINE_BACKENDS:
-        with pytest.raises(ValueError, match="Megatron-LM launcher does not support pipeline"):
-            refuse_unsupported(backend, pipeline_model_parallel_size=2)
-    refuse_unsupported("ddp", pipeline_model_parallel_size=2)
+        with pytest.raises(ValueError, match="--num-layers-per-virtual-pipeline-stage"):
+            refuse_unsupported(backend, virtual_pipeline_model_parallel_size=2)
+    refuse_unsupported("ddp", virtual_pipeline_model_parallel_size=2)
     with pytest.raises(KeyError):
         refuse_unsupported("odc", no_such_setting=True)

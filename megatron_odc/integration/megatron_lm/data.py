@@ -4,7 +4,10 @@ With ``--balance`` other than ``none``, the train split gets a :class:`BalancedP
 iterator exposes ``next_num_microbatches()`` (what ``schedule.py`` asks). Megatron-LM's samples are fixed
 ``[seq_length]`` packs, so every sample costs the same and LB-Mini gives every DP rank the same count;
 the plan is still made per global batch by ``data.sampler.LengthBalancedSampler`` (one global batch
-ahead, on a lookahead thread) and its count drives the schedule.
+ahead, on a lookahead thread) and its count drives the schedule. With pipeline stages the plan is made
+over DP replicas (``--pipeline-model-parallel-size`` stages each): the first and last stage of a replica
+(where Megatron-LM's GPT builds the dataset) plan the same global batch for the same DP rank, so they
+get the same microbatches.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ class BalancedPretrainingLoader:
         dp_size: number of DP ranks.
         seq_length: tokens per sample.
         plan_kind: one of ``PLAN_KINDS``.
+        pipeline_stages: pipeline stages per DP replica; with more than 1 the plan is made over the
+            replicas for the 1F1B schedule (``make_plan(pipeline_stages=...)``) and every stage of a
+            replica, each with its own loader, gets the same microbatches.
     """
 
     def __init__(
@@ -53,6 +59,7 @@ class BalancedPretrainingLoader:
         dp_size: int,
         seq_length: int,
         plan_kind: str = "lb_mini",
+        pipeline_stages: int = 1,
     ) -> None:
         if consumed_samples % global_batch_size:
             raise ValueError(
@@ -65,6 +72,7 @@ class BalancedPretrainingLoader:
         self.dp_size = dp_size
         self.seq_length = seq_length
         self.plan_kind = plan_kind
+        self.pipeline_stages = pipeline_stages
         self.num_global_batches = len(dataset) // global_batch_size
         self.start_index = consumed_samples // global_batch_size
 
@@ -81,6 +89,7 @@ class BalancedPretrainingLoader:
             plan_kind=self.plan_kind,
             cap_tokens=self.seq_length,
             shuffle=False,
+            pipeline_stages=self.pipeline_stages,
         )
         offset = index * self.global_batch_size
         microbatches = sampler.assignment(0, 0).microbatches
@@ -154,6 +163,7 @@ def wrap_build_pretraining_data_loader(original: Callable) -> Callable:
             dp_size=mpu.get_data_parallel_world_size(),
             seq_length=args.seq_length,
             plan_kind=args.balance,
+            pipeline_stages=args.pipeline_model_parallel_size,
         )
 
     build_pretraining_data_loader.__megatron_odc_original__ = original

@@ -100,7 +100,6 @@ def postprocess_odc_args(args: argparse.Namespace) -> argparse.Namespace:
         return args
     refuse_unsupported(
         backend,
-        pipeline_model_parallel_size=getattr(args, "pipeline_model_parallel_size", 1),
         use_megatron_fsdp=getattr(args, "use_megatron_fsdp", False),
         use_torch_fsdp2=getattr(args, "use_torch_fsdp2", False),
         use_distributed_optimizer=backend != "distopt"
@@ -177,8 +176,25 @@ def wrap_parse_args(original: Callable) -> Callable:
     return parse_args
 
 
+def _refuse_virtual_stages(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` after ``validate_args``, which derives ``virtual_pipeline_model_parallel_size`` from
+    ``--num-layers-per-virtual-pipeline-stage``, ``--num-virtual-stages-per-pipeline-rank`` or
+    ``--pipeline-model-parallel-layout``: the interleaved schedule is refused for the ODC engine's
+    backends before any model is built (pipeline stages themselves run megatron-core's 1F1B)."""
+    backend = getattr(args, "dp_backend", None)
+    if backend is not None:
+        refuse_unsupported(
+            backend,
+            virtual_pipeline_model_parallel_size=getattr(
+                args, "virtual_pipeline_model_parallel_size", None
+            ),
+        )
+    return args
+
+
 def wrap_validate_args(original: Callable) -> Callable:
-    """``validate_args`` that lets ``--fp8-param-gather`` through for the ODC engine's backends.
+    """``validate_args`` that lets ``--fp8-param-gather`` through for the ODC engine's backends and
+    then refuses virtual pipeline stages for them (:func:`_refuse_virtual_stages`).
 
     ``core_v0.16.1`` asserts the flag needs its distributed optimizer (the only optimizer of its own
     that re-quantises FP8 parameters from sharded masters) unless grad mode is off, its escape for
@@ -192,9 +208,9 @@ def wrap_validate_args(original: Callable) -> Callable:
     def validate_args(args, defaults={}):  # noqa: B006 - Megatron-LM's own signature and default
         backend = getattr(args, "dp_backend", None)
         if backend not in ODC_ENGINE_BACKENDS or not getattr(args, "fp8_param_gather", False):
-            return original(args, defaults)
+            return _refuse_virtual_stages(original(args, defaults))
         with torch.no_grad():
-            result = original(args, defaults)
+            result = _refuse_virtual_stages(original(args, defaults))
         logger.info(
             "--fp8-param-gather with --dp-backend %s: ODC shards, fetches and re-quantises the FP8 "
             "parameters (Megatron-LM's distributed-optimizer requirement does not apply)",
