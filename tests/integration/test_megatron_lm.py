@@ -697,6 +697,40 @@ def test_balanced_loader_partitions_every_global_batch() -> None:
         )
 
 
+def _run_pipeline_counts(rank: int, world_size: int) -> dict:
+    from megatron_odc.integration.megatron_lm.schedule import NO_COUNT, pipeline_count
+    from tests._megatron import init_megatron, teardown_megatron
+
+    init_megatron(1, seed=1, pp=2)  # 2 ranks: one pipeline of 2 stages, DP=1
+    try:
+        out = {
+            "equal": pipeline_count(2),
+            "middle_stage_takes_the_planned": pipeline_count(3 if rank == 0 else NO_COUNT),
+            "none_planned": pipeline_count(NO_COUNT),
+            "zero": pipeline_count(0),
+        }
+        try:
+            pipeline_count(3 if rank == 0 else 1)
+            out["differ"] = ""
+        except ValueError as exc:
+            out["differ"] = str(exc)
+        return out
+    finally:
+        teardown_megatron()
+
+
+def test_pipeline_stages_agree_on_the_planned_count() -> None:
+    """The stages of one pipeline run one count: a stage without a planned loader takes the others';
+    stages planned different counts are named before the 1F1B schedule could deadlock."""
+    for res in run_ranks(_run_pipeline_counts, 2, timeout_s=120):
+        assert res["equal"] == 2, res
+        assert res["middle_stage_takes_the_planned"] == 3, res
+        assert res["none_planned"] == -1, res
+        assert res["zero"] == 0, res
+        assert "DP replica 0" in res["differ"], res
+        assert "stage 0: 3, stage 1: 1" in res["differ"], res
+
+
 def test_launcher_resolves_the_script(tmp_path, monkeypatch) -> None:
     from megatron_odc.integration.launch import resolve_script
 
@@ -757,13 +791,18 @@ def test_pretrain_gpt_pipeline_odc_equals_ddp(tmp_path) -> None:
 
 @pytest.mark.usefixtures("megatron_lm_path")
 @pytest.mark.timeout(600)
-def test_pretrain_gpt_save_and_resume_odc(tmp_path) -> None:
-    """Megatron-LM's own --save at iteration 3 and --load resume to 6 equal the uninterrupted run."""
+@pytest.mark.parametrize("pp", [1, 2])
+def test_pretrain_gpt_save_and_resume_odc(tmp_path, pp) -> None:
+    """Megatron-LM's own --save at iteration 3 and --load resume to 6 equal the uninterrupted run
+    (DP=2; with ``pp=2`` PP=2 x DP=2 on 4 ranks)."""
     ckpt = str(tmp_path / "ckpt")
-    full = pretrain_gpt_losses("odc", tmp_path)
+    layout = ("--pipeline-model-parallel-size", str(pp))
+    nproc = 2 * pp
+    full = pretrain_gpt_losses("odc", tmp_path, *layout, nproc=nproc)
     pretrain_gpt_losses(
         "odc",
         tmp_path,
+        *layout,
         "--save",
         ckpt,
         "--save-interval",
@@ -771,8 +810,11 @@ def test_pretrain_gpt_save_and_resume_odc(tmp_path) -> None:
         "--exit-interval",
         "3",
         iterations=range(1, 4),
+        nproc=nproc,
     )
-    resumed = pretrain_gpt_losses("odc", tmp_path, "--load", ckpt, iterations=range(4, 7))
+    resumed = pretrain_gpt_losses(
+        "odc", tmp_path, *layout, "--load", ckpt, iterations=range(4, 7), nproc=nproc
+    )
     assert resumed[4] == pytest.approx(full[4], rel=1e-6), (resumed, full)
     # Megatron-LM does not reset its loss average after a run's first logged iteration, so the
     # second one prints the mean of both (the uninterrupted run's iteration 2 does the same).
