@@ -9,7 +9,7 @@ plus its root unit (the embeddings on the first stage, the final norm and output
 1F1B schedule's order of forwards and backwards is legal for the engine ([Note: hooks under 1F1B] in
 ``core/hooks.py``); the two fences per minibatch stay two per stage (the push fence in
 ``finish_grad_sync``, the step's). Across stages travel only the schedule's activations, once per
-minibatch a small all-reduce of the counts of one pipeline (:func:`check_pipeline_counts`, before the
+minibatch a small all-reduce of the counts of one pipeline (:func:`agree_pipeline_count`, before the
 schedule), and after the push fence the tied embedding's gradient (:class:`TiedEmbedding`).
 
 A DP replica is one pipeline: all its stages run the same microbatches (the plan is made over replicas),
@@ -109,31 +109,34 @@ class TiedEmbedding:
             offset += s.numel()
 
 
-def check_pipeline_counts(num_microbatches: int) -> None:
-    """Before the schedule: every stage of this pipeline runs ``num_microbatches`` (collective over the
-    pipeline group; nothing with one stage).
+def agree_pipeline_count(count: int, *, unplanned: int | None = None) -> int:
+    """The number of microbatches every stage of this rank's pipeline runs. Collective over the
+    pipeline group with more than one stage; ``count`` itself with one.
 
     Different counts inside one pipeline deadlock the 1F1B schedule's sends and receives; the plan gives
-    one count per DP replica, so a difference is a planning bug, named here instead.
+    one count per DP replica, so a difference is a planning bug, named here instead. A stage whose
+    ``count`` is ``unplanned`` has no planned loader (Megatron-LM builds a GPT dataset on the first and
+    last stage only) and takes the count of the stages that have one (``unplanned`` if none has).
 
     Raises:
-        ValueError: naming the DP replica and each stage's count.
+        ValueError: naming the DP replica and each planned stage's count.
     """
     stages = parallel_state.get_pipeline_model_parallel_world_size()
     if stages <= 1:
-        return
+        return count
     group = parallel_state.get_pipeline_model_parallel_group()
     counts = torch.zeros(stages, dtype=torch.int64, device=collective_device(group))
-    counts[parallel_state.get_pipeline_model_parallel_rank()] = num_microbatches
+    counts[parallel_state.get_pipeline_model_parallel_rank()] = count
     all_reduce_on_group_device(counts, group=group)
-    per_stage = counts.tolist()
-    if len(set(per_stage)) > 1:
-        listed = ", ".join(f"stage {s}: {c}" for s, c in enumerate(per_stage))
+    planned = [(stage, c) for stage, c in enumerate(counts.tolist()) if c != unplanned]
+    if len({c for _, c in planned}) > 1:
+        listed = ", ".join(f"stage {stage}: {c}" for stage, c in planned)
         raise ValueError(
             f"DP replica {parallel_state.get_data_parallel_rank()}: the stages of its pipeline were "
             f"given different numbers of microbatches ({listed}); every stage of one pipeline must "
             "run the same microbatches (the plan assigns them per DP replica)"
         )
+    return planned[0][1] if planned else count
 
 
 def from_last_stage(value: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ ranks may run different numbers of microbatches and the result equals one proces
 with zero microbatches skips the schedule and calls ``finalize_model_grads`` itself with a zero count
 (:func:`finalize_without_microbatches`, also what the Megatron-LM integration runs). With pipeline
 stages the schedule is megatron-core's 1F1B, every stage of a DP replica runs the replica's microbatches
-(checked first: :func:`~megatron_odc.mcore.pipeline.check_pipeline_counts`) and a replica with none
+(checked first: :func:`~megatron_odc.mcore.pipeline.agree_pipeline_count`) and a replica with none
 skips the schedule on every stage. Works for every backend: ODC, FSDP, megatron-core DDP / distopt.
 :func:`per_token_loss` and :func:`gpt_forward_step` are the loss and forward step of a GPT on packed
 batches.
@@ -25,7 +25,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
-from megatron_odc.mcore.pipeline import check_pipeline_counts
+from megatron_odc.mcore.pipeline import agree_pipeline_count
 from megatron_odc.transport.devices import collective_device
 
 
@@ -100,7 +100,7 @@ def train_step(
             "uneven microbatch counts need --calculate-per-token-loss "
             "(TransformerConfig.calculate_per_token_loss=True)"
         )
-    check_pipeline_counts(len(microbatches))
+    agree_pipeline_count(len(microbatches))
     model.zero_grad_buffer()
     optimizer.zero_grad()
     with phase("forward-backward"):

@@ -3,7 +3,7 @@
 Megatron-LM calls the schedule with one ``num_microbatches`` for every rank; under ODC each DP replica
 runs its own count from the length-balanced plan (``data.py``), including 0, for which only the
 gradients are finalized (the rank joins the DP fence) and a zero loss report is returned. With pipeline
-stages a DP replica is one pipeline: its stages agree on one count (:func:`pipeline_count`) and then run
+stages a DP replica is one pipeline: its stages agree on one count (:func:`~megatron_odc.mcore.pipeline.agree_pipeline_count`) and then run
 megatron-core's 1F1B schedule with it, or, with 0, all skip it and only finalize.
 """
 
@@ -17,8 +17,8 @@ import torch
 from megatron.core import parallel_state
 
 from megatron_odc.mcore.data_parallel import ODCDataParallel
+from megatron_odc.mcore.pipeline import agree_pipeline_count
 from megatron_odc.mcore.step import finalize_without_microbatches
-from megatron_odc.transport.devices import all_reduce_on_group_device, collective_device
 
 NO_COUNT = -1
 """The count of a rank without a planned loader (a middle pipeline stage, where Megatron-LM's GPT
@@ -32,37 +32,6 @@ def _count_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def pipeline_count(count: int) -> int:
-    """The count every stage of this rank's pipeline runs: the one the stages with a planned loader
-    were given (:data:`NO_COUNT` when none has one). Collective over the pipeline group with more than
-    one stage; ``count`` itself with one.
-
-    Megatron-LM builds a GPT dataset on the first and last stage only, so a middle stage takes their
-    count; stages given different counts would deadlock the 1F1B schedule's sends and receives.
-
-    Raises:
-        ValueError: stages of one pipeline given different counts, naming the DP replica and each
-            stage's count (a planning bug).
-    """
-    stages = parallel_state.get_pipeline_model_parallel_world_size()
-    if stages <= 1:
-        return count
-    group = parallel_state.get_pipeline_model_parallel_group()
-    counts = torch.zeros(stages, dtype=torch.int64, device=collective_device(group))
-    counts[parallel_state.get_pipeline_model_parallel_rank()] = count
-    all_reduce_on_group_device(counts, group=group)
-    per_stage = counts.tolist()
-    planned = {c for c in per_stage if c != NO_COUNT}
-    if len(planned) > 1:
-        listed = ", ".join(f"stage {s}: {c}" for s, c in enumerate(per_stage) if c != NO_COUNT)
-        raise ValueError(
-            f"DP replica {parallel_state.get_data_parallel_rank()}: the stages of its pipeline were "
-            f"planned different numbers of microbatches ({listed}); every stage of one pipeline "
-            "must run the same microbatches (the plan assigns them per DP replica)"
-        )
-    return planned.pop() if planned else NO_COUNT
-
-
 class PlannedCountSchedule:
     """Wraps a megatron-core forward-backward function to run this rank's planned microbatch count.
 
@@ -70,7 +39,7 @@ class PlannedCountSchedule:
     passed through. The count comes from ``data_iterator.iterable.next_num_microbatches()`` (or the
     iterator's own method) when offered, else the caller's ``num_microbatches``; with TP > 1 it is
     broadcast from the TP source rank (the only one with data), with PP > 1 agreed over the pipeline
-    (:func:`pipeline_count`). During a rerun replay the last count is reused.
+    (:func:`~megatron_odc.mcore.pipeline.agree_pipeline_count`). During a rerun replay the last count is reused.
 
     Args:
         inner: the schedule from megatron-core's ``get_forward_backward_func``.
@@ -104,7 +73,7 @@ class PlannedCountSchedule:
             )
             count = int(buf.item())
         if parallel_state.model_parallel_is_initialized():
-            count = pipeline_count(count)
+            count = agree_pipeline_count(count, unplanned=NO_COUNT)
         count = default if count == NO_COUNT else count
         self.last_num_microbatches = count
         return count
