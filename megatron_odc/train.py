@@ -1,6 +1,5 @@
 """``python -m megatron_odc.train``: the plugin's own training entry (run under torchrun, or under
-``mpiexec`` with ``--odc-transport mpi``: ``runner/launch_env.py`` then sets torch's launch variables
-from MPI's).
+``mpiexec``: ``runner/launch_env.py`` then sets torch's launch variables from MPI's).
 
 Parses and checks the flags (``runner/arguments.py``: a bad flag exits with status 2 and a message
 naming it, before anything is built), makes megatron-core run on CPU where there is no CUDA

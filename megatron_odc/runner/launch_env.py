@@ -1,4 +1,4 @@
-"""The torch.distributed environment of an ``mpiexec`` launch (``--odc-transport mpi``).
+"""The torch.distributed environment of an ``mpiexec`` launch (any ``--odc-transport``).
 
 torchrun hands every process ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
 ``MASTER_ADDR`` and ``MASTER_PORT``; ``mpiexec`` does not. :func:`apply_launch_env` fills them from MPI
@@ -7,9 +7,11 @@ host name and a free port of rank 0, broadcast over MPI; a ``MASTER_ADDR`` / ``M
 wins), so that ``torch.distributed`` still rendezvous (gloo on CPU, NCCL on GPUs) for tensor parallelism
 and the model's own collectives, with torch's ranks equal to MPI's, which the ``mpi`` transport checks.
 
+Under ``mpiexec`` this happens whatever the transport, so ``--odc-transport auto`` also launches there (it
+picks ``mpi`` for a shard group spanning hosts and the node's transport inside one host).
 ``--odc-transport mpi`` without an MPI launch (under torchrun, or a bare ``python``) is refused here,
 before anything is trained, naming the flag and the launch line. The one place that reads the
-launchers' variables; it imports mpi4py only for an ``mpi`` run.
+launchers' variables; it imports mpi4py only under an MPI launcher.
 """
 
 from __future__ import annotations
@@ -99,14 +101,28 @@ def mpi_torch_env(environ: Mapping[str, str]) -> dict[str, str]:
 def apply_launch_env(
     transport: str | None, environ: MutableMapping[str, str] | None = None
 ) -> None:
-    """For ``--odc-transport mpi``: check the launch and set torch's launch variables from MPI's.
-
-    Other transports: nothing (torchrun set the variables).
+    """Check the launch for ``transport``; under an MPI launcher, set torch's launch variables from
+    MPI's (any transport; for one other than ``mpi`` only where ``RANK`` is not set already). Under
+    torchrun: nothing (torchrun set them).
 
     Raises:
-        ValueError: ``mpi`` outside an MPI launch, or mpi4py missing; the message names the flag.
+        ValueError: ``mpi`` outside an MPI launch, or mpi4py missing under an MPI launcher; the
+            message names the flag or the launcher.
     """
     environ = os.environ if environ is None else environ
     check_mpi_launch(transport, environ)
-    if transport == MPI_TRANSPORT:
-        environ.update(mpi_torch_env(environ))
+    if not launched_by_mpi(environ):
+        return
+    if transport != MPI_TRANSPORT and "RANK" in environ:
+        return  # a launch script set torch's variables itself (e.g. from SLURM_PROCID): kept
+    try:
+        launch = mpi_torch_env(environ)
+    except ValueError as exc:
+        if transport == MPI_TRANSPORT:
+            raise
+        var = next(var for var in MPI_RANK_VARS if var in environ)
+        raise ValueError(
+            f"this process was started by an MPI launcher ({var} is set), whose ranks torch.distributed "
+            "learns through mpi4py, which is missing: pip install mpi4py mpich, or launch with torchrun"
+        ) from exc
+    environ.update(launch)

@@ -232,12 +232,16 @@ def test_resume_repeats_the_uninterrupted_losses(default_run, tmp_path, shm_dir)
 
 
 @requires_mpi
-def test_the_main_command_under_mpiexec_repeats_the_torchrun_losses(default_run, tmp_path):
-    # --odc-transport mpi: torch's launch variables come from MPI's (runner/launch_env.py); the same
-    # fp32 model, data and plan as the torchrun run over shm, so the same losses up to summation order.
+@pytest.mark.parametrize("transport", ["mpi", "auto"])
+def test_the_main_command_under_mpiexec_repeats_the_torchrun_losses(
+    default_run, tmp_path, transport
+):
+    # Under mpiexec torch's launch variables come from MPI's (runner/launch_env.py) whatever the
+    # transport (auto: shm, the ranks share this host); the same fp32 model, data and plan as the
+    # torchrun run over shm, so the same losses up to summation order.
     _, straight_stdout = default_run
     straight = _logged_losses(straight_stdout)
-    argv = ["-m", "megatron_odc.train", "--odc-transport", "mpi"]
+    argv = ["-m", "megatron_odc.train", "--odc-transport", transport]
     argv += ["--train-iters", "10", "--log-interval", "1"]
     proc = subprocess.run(
         ["timeout", "150", *mpiexec_command(2, argv)],

@@ -197,6 +197,18 @@ def test_missing_mpi4py_is_refused_naming_the_flag(monkeypatch) -> None:
         ValueError, match=r"--odc-transport mpi needs mpi4py .*pip install mpi4py mpich"
     ):
         import_mpi()
+    with pytest.raises(ValueError, match=r"--odc-transport mpi needs mpi4py"):
+        apply_launch_env("mpi", {"PMI_RANK": "0"})
+    # Other transports under mpiexec also take their ranks from MPI: the launcher is named.
+    with pytest.raises(
+        ValueError, match=r"started by an MPI launcher \(PMI_RANK is set\).*torchrun"
+    ):
+        apply_launch_env("auto", {"PMI_RANK": "0"})
+    set_by_a_script = {"PMI_RANK": "1", "RANK": "1", "WORLD_SIZE": "2"}
+    apply_launch_env(
+        "auto", set_by_a_script
+    )  # torch's variables already there: kept, no MPI needed
+    assert set_by_a_script == {"PMI_RANK": "1", "RANK": "1", "WORLD_SIZE": "2"}
 
 
 def test_unknown_accumulate_mode_is_refused() -> None:

@@ -7,7 +7,7 @@ Megatron-LM's own distributed optimizer and overlap options off, resolves ``--ba
 fixed ``[micro_batch_size, seq_length]`` microbatches and refuses what does not combine; for ``ddp`` /
 ``distopt`` it sets Megatron-LM's own flags. :func:`apply_megatron_lm_launch_env` runs first, before
 Megatron-LM reads ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` (in ``parse_args``) and ``MASTER_ADDR`` /
-``MASTER_PORT`` (``env://`` in ``initialize_megatron``): under ``mpiexec`` with ``--odc-transport mpi`` it
+``MASTER_PORT`` (``env://`` in ``initialize_megatron``): under ``mpiexec`` (any ``--odc-transport``) it
 sets them from MPI's, and it refuses ``mpi`` under torchrun (``runner/launch_env.py``, the plugin entry's
 own path). :func:`wrap_parse_args` / :func:`wrap_validate_args` are the two patches that apply them. :data:`CPU_FLAGS` are the flags Megatron-LM needs without CUDA, which
 :func:`with_cpu_flags` adds where the user did not set them.
@@ -75,7 +75,7 @@ def add_odc_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def apply_megatron_lm_launch_env(argv: Sequence[str]) -> None:
     """torch's launch variables for the ``--odc-transport`` of Megatron-LM's ``argv`` (without the
-    script's name): from MPI's under ``mpiexec`` with ``mpi``, nothing for other transports.
+    script's name): from MPI's under ``mpiexec`` (any transport), nothing under torchrun.
 
     ``argv`` is read with ODC's own flag group (Megatron-LM's other flags are left alone); a second
     call finds ``MASTER_ADDR`` / ``MASTER_PORT`` set and keeps them, so every call agrees.
