@@ -205,9 +205,8 @@ def test_missing_mpi4py_is_refused_naming_the_flag(monkeypatch) -> None:
     ):
         apply_launch_env("auto", {"PMI_RANK": "0"})
     set_by_a_script = {"PMI_RANK": "1", "RANK": "1", "WORLD_SIZE": "2"}
-    apply_launch_env(
-        "auto", set_by_a_script
-    )  # torch's variables already there: kept, no MPI needed
+    # torch's variables already there (set by a launch script): kept, no MPI needed.
+    apply_launch_env("auto", set_by_a_script)
     assert set_by_a_script == {"PMI_RANK": "1", "RANK": "1", "WORLD_SIZE": "2"}
 
 
