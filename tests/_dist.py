@@ -1,6 +1,6 @@
 """Spawn N CPU ranks for a test, with a deadline, file-store rendezvous and one thread per rank.
 
-``run_ranks(fn, world_size, *args)`` starts ``world_size`` fresh interpreters (``spawn``), each of which
+``run_ranks(fn, world_size, *args)`` starts ``world_size`` fresh ranks, each of which
 joins a gloo process group through a ``file://`` store under a private temporary directory, sets
 ``OMP_NUM_THREADS=1`` and calls ``fn(rank, world_size, *args)``. It returns the list of the ranks' return
 values, or raises ``RankFailureError`` naming every rank that raised, died or hung past the deadline, with the
@@ -8,6 +8,14 @@ rank's traceback. Whatever happens, every child is killed and reaped, and the pr
 directory the ranks used (``MEGATRON_ODC_SHM_DIR``) is removed.
 
 ``fn`` must be a module-level function (it is pickled); so must ``args``.
+
+On a machine without CUDA, ranks are forked from multiprocessing's ``forkserver``, which imports torch and
+megatron-core once per test session (``_PRELOAD``) instead of once per rank: a fresh interpreter spends about
+8 s on those imports on a 2-core host, and the suite starts hundreds of ranks. The server imports only; it
+runs no torch operation, so no thread pool or process group is forked. Each rank gets the parent's
+environment as it is at ``run_ranks`` time (the server's own is the one it was started with), exactly what
+``spawn`` gave it. Where CUDA exists (the GPU check, ``benchmarks/gpu_check.py``) ranks are spawned: the
+server's imports could initialise the CUDA driver, which a forked child cannot use.
 """
 
 from __future__ import annotations
@@ -26,6 +34,15 @@ from pathlib import Path
 from typing import Any
 
 SHM_ROOT = Path("/dev/shm")
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "megatron.core.distributed",
+    "megatron.core.models.gpt",
+    "megatron.core.optimizer",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron_odc.mcore.data_parallel",
+]
 _GRACE_AFTER_FAILURE_S = 10.0
 
 
@@ -42,7 +59,10 @@ def _child(
     result_path: str,
     backend: str,
     pg_timeout_s: float,
+    environ: dict[str, str],
 ) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
     run_and_record(
         fn,
         rank,
@@ -95,6 +115,16 @@ def run_and_record(
     os.replace(tmp, result_path)
 
 
+def _context() -> multiprocessing.context.BaseContext:
+    import torch
+
+    if torch.cuda.is_available():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # takes effect when the server starts, on the first run
+    return ctx
+
+
 def _remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
@@ -124,7 +154,7 @@ def run_ranks(
     Raises:
         RankFailureError: a rank raised, exited without a result, or hung past ``timeout_s``.
     """
-    ctx = multiprocessing.get_context("spawn")
+    ctx = _context()
     run_id = uuid.uuid4().hex[:12]
     workdir = Path(tempfile.mkdtemp(prefix=f"odc-test-{run_id}-"))
     shm_dir = SHM_ROOT / f"megatron_odc_test_{run_id}"
@@ -148,6 +178,7 @@ def run_ranks(
                         result_paths[rank],
                         backend,
                         pg_timeout_s,
+                        dict(os.environ),
                     ),
                     name=f"rank{rank}",
                     daemon=True,
