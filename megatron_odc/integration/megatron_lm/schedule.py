@@ -19,6 +19,7 @@ from megatron.core import parallel_state
 from megatron_odc.mcore.data_parallel import ODCDataParallel
 from megatron_odc.mcore.pipeline import agree_pipeline_count
 from megatron_odc.mcore.step import finalize_without_microbatches
+from megatron_odc.transport.devices import collective_device
 
 NO_COUNT = -1
 """The count of a rank without a planned loader (a middle pipeline stage, where Megatron-LM's GPT
@@ -26,10 +27,6 @@ builds no dataset, or ``--balance none``)."""
 
 DEFAULT_LOSS_KEYS = ("lm loss",)
 """Keys of the zero report of a rank without microbatches, until a schedule has reported its own."""
-
-
-def _count_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 class PlannedCountSchedule:
@@ -65,11 +62,10 @@ class PlannedCountSchedule:
             parallel_state.model_parallel_is_initialized()
             and parallel_state.get_tensor_model_parallel_world_size() > 1
         ):
-            buf = torch.tensor([count], dtype=torch.int64, device=_count_device())
+            group = parallel_state.get_tensor_model_parallel_group()
+            buf = torch.tensor([count], dtype=torch.int64, device=collective_device(group))
             torch.distributed.broadcast(
-                buf,
-                parallel_state.get_tensor_model_parallel_src_rank(),
-                group=parallel_state.get_tensor_model_parallel_group(),
+                buf, parallel_state.get_tensor_model_parallel_src_rank(), group=group
             )
             count = int(buf.item())
         if parallel_state.model_parallel_is_initialized():
@@ -103,7 +99,7 @@ class PlannedCountSchedule:
                 self.loss_keys = tuple(losses[0])
             return losses
         finalize_without_microbatches(chunks)
-        return [{key: torch.zeros(2, device=_count_device()) for key in self.loss_keys}]
+        return [{key: torch.zeros(2, device=collective_device()) for key in self.loss_keys}]
 
 
 def wrap_get_forward_backward_func(original: Callable) -> Callable:
