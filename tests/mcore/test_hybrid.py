@@ -18,6 +18,9 @@ costs more than the cases):
   DDP: full resumes continue the uninterrupted run, ``finetune`` loads are bit-exact;
 - the refusals: a shard group size that does not divide the DP size, ``shm`` over a shard group that
   spans hosts, each a ValueError naming the flag before any transport is built.
+
+Under ``mpiexec`` (skipped without mpi4py / mpiexec), a job of its own: the shard groups over the ``mpi``
+transport (one MPI sub-communicator per pretend host) against megatron-core DDP, the same counts.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from megatron_odc.mcore.config import ODCConfig
 from megatron_odc.transport.hosts import LOCAL_WORLD_SIZE_ENV
 from tests._dist import run_ranks
 from tests._megatron import SMALL_GPT
+from tests._mpi import requires_mpi, run_mpi
 from tests._recording import record_collectives
 
 RANKS_PER_HOST = 2
@@ -496,3 +500,46 @@ def test_refusals_name_the_flag(world) -> None:
         _, message, _ = res["refusals"]["shm_spans_hosts"]
         assert "--odc-transport shm" in message, message
         assert "spans 2 hosts" in message, message
+
+
+def _run_over_mpi(rank: int, world_size: int) -> dict:
+    """Hybrid ODC whose shard groups use the mpi transport, against megatron-core DDP (3 steps)."""
+    from megatron_odc.mcore.model import GPTConfig
+    from tests._megatron import init_megatron, teardown_megatron
+
+    cfg = GPTConfig(**SMALL_GPT)
+    init_megatron(1, seed=3)
+    try:
+        odc_model, odc_opt = _build("odc", cfg, seed=11, transport="mpi")
+        ddp_model, ddp_opt = _build("ddp", cfg, seed=11)
+        out = {
+            "transport": type(odc_model.engine.transport).__name__,
+            "transport_world": odc_model.engine.transport.world_size,
+            "shard_ranks": dist.get_process_group_ranks(odc_model.topology.shard_group),
+            "steps": [],
+        }
+        for step, counts in enumerate(COUNTS):
+            odc = _step(odc_model, odc_opt, cfg, step, counts)
+            ddp = _step(ddp_model, ddp_opt, cfg, step, counts)
+            out["steps"].append({"odc": odc, "ddp": ddp})
+        out["params"] = _worst(_params(odc_model), _params(ddp_model))
+        odc_model.close()
+        return out
+    finally:
+        teardown_megatron()
+
+
+@requires_mpi
+def test_hybrid_over_mpi_matches_megatron_ddp() -> None:
+    # The mpi transport inside each pretend host's shard group (an MPI sub-communicator), the replica
+    # all-reduce over torch.distributed across the hosts; uneven counts with a rank at 0, fp32.
+    results = run_mpi(
+        _run_over_mpi, WORLD, timeout_s=300, env={LOCAL_WORLD_SIZE_ENV: str(RANKS_PER_HOST)}
+    )
+    for rank, res in enumerate(results):
+        assert res["transport"] == "MpiTransport", res["transport"]
+        assert res["transport_world"] == RANKS_PER_HOST, res["transport_world"]
+        assert {_host(r) for r in res["shard_ranks"]} == {_host(rank)}, res["shard_ranks"]
+        for step, st in enumerate(res["steps"]):
+            _assert_same_step(f"rank {rank} step {step}", st["odc"], st["ddp"])
+        _assert_same_params(f"rank {rank}", res["params"])
