@@ -1120,6 +1120,39 @@ def _calibrate_main(settings: dict, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+# ---------------------------------------------------------------------------------------- host
+
+
+SLOW_MATMUL_RATIO = 3.0
+"""A ``--dtype`` matmul this many times slower than fp32's is emulated by the host: the benchmark warns."""
+
+
+def matmul_slowdown(dtype: str, repeats: int = 5) -> float:
+    """Time of one benchmark-sized GEMM (tokens x hidden x FFN) in ``dtype`` over fp32's, one thread.
+
+    oneDNN runs bf16 GEMMs natively only with AVX-512 BF16 / AMX; on an AVX2 host it converts and
+    is measured 35x slower than fp32 (2026-12-05), so compute dominates every configuration and the
+    ratios between them shrink towards 1: such runs are not comparable with runs on other hosts.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        times = {}
+        for name in {"fp32", dtype}:
+            a = torch.randn(1024, MODEL["hidden_size"], dtype=DTYPES[name])
+            b = torch.randn(MODEL["hidden_size"], MODEL["ffn_hidden_size"], dtype=DTYPES[name])
+            a @ b
+            samples = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                a @ b
+                samples.append(time.perf_counter() - start)
+            times[name] = min(samples)
+        return times[dtype] / times["fp32"]
+    finally:
+        torch.set_num_threads(threads)
+
+
 # ---------------------------------------------------------------------------------------- CLI
 
 
@@ -1193,6 +1226,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "dtype": args.dtype,
         "cost": CPU_COST,
     }
+    slowdown = matmul_slowdown(args.dtype)
+    if slowdown > SLOW_MATMUL_RATIO:
+        logger.warning(
+            "a %s matmul is %.0fx slower than fp32 on this host (%s): compute dominates and the "
+            "ratios are not comparable with other hosts; use --dtype fp32 or a host with AVX-512 BF16",
+            args.dtype,
+            slowdown,
+            torch.backends.cpu.get_cpu_capability(),
+        )
     start = time.perf_counter()
     payload = run_ranks(settings)
     elapsed = time.perf_counter() - start
@@ -1223,6 +1265,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "elapsed_s": elapsed,
         "cpu_count": os.cpu_count(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "matmul_slowdown_vs_fp32": slowdown,
         "settings": settings,
         "model": MODEL,
         "torch": torch.__version__,
