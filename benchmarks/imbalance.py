@@ -1131,7 +1131,7 @@ def matmul_slowdown(dtype: str, repeats: int = 5) -> float:
     """Time of one benchmark-sized GEMM (tokens x hidden x FFN) in ``dtype`` over fp32's, one thread.
 
     oneDNN runs bf16 GEMMs natively only with AVX-512 BF16 / AMX; on an AVX2 host it converts and
-    is measured 35x slower than fp32 (2026-12-05), so compute dominates every configuration and the
+    is measured 36x slower than fp32 (2026-12-05), so compute dominates every configuration and the
     ratios between them shrink towards 1: such runs are not comparable with runs on other hosts.
     """
     threads = torch.get_num_threads()

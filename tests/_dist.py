@@ -164,6 +164,10 @@ def run_ranks(
     procs: list[multiprocessing.Process] = []
     result_paths = [str(workdir / f"rank{r}.pkl") for r in range(world_size)]
     try:
+        # The environment reaches a rank twice on purpose: a spawned interpreter reads it at start (torch
+        # reads OMP_NUM_THREADS on import, while the target is unpickled, before ``_child`` runs), so the
+        # parent's own is set around ``start``; a forked one starts with the forkserver's, so ``_child``
+        # applies the copy passed as ``environ``.
         os.environ.update(child_env)
         try:
             for rank in range(world_size):
