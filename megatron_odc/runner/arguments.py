@@ -35,6 +35,8 @@ MODEL_SHAPE_DEFAULTS = {
 """Defaults of the valued model flags that a ``--load-hf`` config also sets. The parser leaves them None,
 so a flag the user gave is told from one left unset; :func:`validate_args` fills them."""
 DEFAULT_LR_WARMUP_ITERS = 3
+DEFAULT_LR_DECAY_RATIO = 10
+"""``--min-lr`` when not given is ``--lr`` over this (3e-4 at the default ``--lr`` 3e-3)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -223,7 +225,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--train-iters", type=int, default=40, help="iterations to train for")
     train.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    train.add_argument("--min-lr", type=float, default=3e-4, help="learning rate after decay")
+    train.add_argument(
+        "--min-lr",
+        type=float,
+        default=None,
+        help=f"learning rate after decay (default --lr / {DEFAULT_LR_DECAY_RATIO:g})",
+    )
     train.add_argument(
         "--lr-decay-style", choices=LR_DECAY_STYLES, default="cosine", help="decay after warmup"
     )
@@ -420,7 +427,7 @@ def validate_args(args: argparse.Namespace, *, world_size: int) -> argparse.Name
     """Checks the parsed flags against each other and the world size; fills derived defaults.
 
     Fills the model flags from ``--load-hf``'s config or ``MODEL_SHAPE_DEFAULTS``, and
-    ``max_position_embeddings``, ``lr_decay_iters``, ``lr_warmup_iters``, ``balance``,
+    ``max_position_embeddings``, ``min_lr``, ``lr_decay_iters``, ``lr_warmup_iters``, ``balance``,
     ``max_tokens_per_microbatch``, ``odc_transport`` and ``tokenizer_type`` when they were left unset,
     and sets ``sft`` when no ``--data-path`` is given (the built-in synthetic SFT set).
 
@@ -631,6 +638,8 @@ def _check_optimization(args: argparse.Namespace) -> None:
             "--no-calculate-per-token-loss is not supported: ranks run different numbers of "
             "microbatches, which is exact only with --calculate-per-token-loss"
         )
+    if args.min_lr is None:
+        args.min_lr = args.lr / DEFAULT_LR_DECAY_RATIO
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
     if args.lr_warmup_iters is None:

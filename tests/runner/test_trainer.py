@@ -100,6 +100,8 @@ def test_defaults_are_filled_per_backend():
     assert (fsdp.balance, fsdp.odc_transport) == ("lb_micro", "collective")
     assert _validated(["--dp-backend", "ddp"]).balance == "lb_mini"
     assert _validated(["--train-iters", "2"]).lr_warmup_iters == 1
+    assert odc.min_lr == pytest.approx(3e-4)
+    assert _validated(["--lr", "1e-5"]).min_lr == pytest.approx(1e-6)  # the README's SFT recipe
 
 
 def _clean_env(shm_dir: Path) -> dict[str, str]:
