@@ -1164,13 +1164,8 @@ def matmul_slowdown(dtype: str, repeats: int = 5) -> float:
 def build_parser() -> argparse.ArgumentParser:
     """Returns the command-line parser."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--profiles", help=f"default {','.join(PROFILES)} ({QUICK['profiles']} with --quick)"
-    )
-    parser.add_argument(
-        "--minibatches",
-        help=f"default {','.join(map(str, MINIBATCHES))} ({QUICK['minibatches']} with --quick)",
-    )
+    for flag in ("profiles", "minibatches"):
+        parser.add_argument(f"--{flag}", help=f"default {FULL[flag]} ({QUICK[flag]} with --quick)")
     parser.add_argument(
         "--configs", default=",".join(config_name(*c) for c in CONFIGS), help="backend+plan list"
     )
