@@ -43,11 +43,14 @@ def _option(
     help: str,
     choices: tuple[str, ...] | None = None,
     parse: Callable[[Any], Any] | None = None,
+    default_help: str | None = None,
 ) -> Any:
-    """A field of :class:`ODCConfig`: its flag's help, its choices, or the function that checks a
-    value that is neither a choice nor a plain number (raising ``ValueError`` naming the flag)."""
+    """A field of :class:`ODCConfig`: its flag's help, its choices, the function that checks a
+    value that is neither a choice nor a plain number (raising ``ValueError`` naming the flag), and
+    the default as ``--help`` shows it where the entry fills it from something else."""
     return dataclasses.field(
-        default=default, metadata={"help": help, "choices": choices, "parse": parse}
+        default=default,
+        metadata={"help": help, "choices": choices, "parse": parse, "default_help": default_help},
     )
 
 
@@ -102,8 +105,8 @@ class ODCConfig:
     )
     timeout_s: float = _option(
         600.0,
-        "seconds a fence waits for a peer before naming it and failing (default: "
-        "--distributed-timeout-minutes)",
+        "seconds a fence waits for a peer before naming it and failing",
+        default_help="--distributed-timeout-minutes x 60",
     )
     check_params_equal: bool = _option(
         True, "check at construction that every DP rank holds the same weights"

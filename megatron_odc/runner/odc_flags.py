@@ -38,6 +38,16 @@ def odc_flag(field: dataclasses.Field) -> str:
     return prefix + field.name.replace("_", "-")
 
 
+def odc_flag_help(field: dataclasses.Field) -> str:
+    """The ``--help`` text of an ``ODCConfig`` field's flag: what the option does and its default (a
+    ``--no-odc-*`` switch turns off an option that is on by default)."""
+    if isinstance(field.default, bool):
+        state = "on by default; this flag turns it off" if field.default else "off by default"
+        return f"{field.metadata['help']} ({state})"
+    shown = field.metadata["default_help"] or field.default
+    return f"{field.metadata['help']} (default {shown})"
+
+
 def add_odc_arguments(
     parser: argparse.ArgumentParser,
     *,
@@ -73,7 +83,7 @@ def add_odc_arguments(
         help="token cap of one packed microbatch (default --seq-length)",
     )
     for field in dataclasses.fields(ODCConfig):
-        help_text = f"{field.metadata['help']} (default {field.default})"
+        help_text = odc_flag_help(field)
         dest = f"odc_{field.name}"
         if isinstance(field.default, bool):  # a switch: --odc-<field>, or --no-odc-<field> if on
             group.add_argument(

@@ -33,6 +33,17 @@ def test_one_flag_per_config_field_in_both_entries() -> None:
     assert "--odc-prefetch" not in plugin_flags
 
 
+def test_help_says_what_a_switch_does_and_the_default_that_applies() -> None:
+    helps = {a.option_strings[0]: a.help for a in build_parser()._actions if a.option_strings}
+    assert helps["--no-odc-prefetch"].endswith("(on by default; this flag turns it off)")
+    assert helps["--odc-deterministic"].endswith("(off by default)")
+    # the entry fills the fence timeout from --distributed-timeout-minutes, not the field's 600 s
+    assert helps["--odc-timeout-s"].endswith("(default --distributed-timeout-minutes x 60)")
+    args = resolve_odc_args(build_parser().parse_args(["--distributed-timeout-minutes", "2"]))
+    assert ODCConfig.from_args(args).timeout_s == 120.0
+    assert helps["--odc-bucket-size"].endswith(f"(default {ODCConfig().bucket_size})")
+
+
 def test_flags_reach_the_config() -> None:
     args = build_parser().parse_args(
         ["--odc-pushes-in-flight", "3", "--odc-timeout-s", "12.5", "--no-odc-prefetch"]
