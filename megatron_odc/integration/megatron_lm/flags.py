@@ -106,6 +106,11 @@ def postprocess_odc_args(args: argparse.Namespace) -> argparse.Namespace:
         and getattr(args, "use_distributed_optimizer", False),
         overlap_grad_reduce=getattr(args, "overlap_grad_reduce", False),
         overlap_param_gather=getattr(args, "overlap_param_gather", False),
+        # also refused where the model is wrapped; here they stop the job before anything starts
+        context_parallel_size=getattr(args, "context_parallel_size", 1),
+        expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
+        delay_wgrad_compute=getattr(args, "delay_wgrad_compute", False),
+        use_precision_aware_optimizer=getattr(args, "use_precision_aware_optimizer", False),
     )
     if backend not in ODC_ENGINE_BACKENDS:
         resolve_odc_args(args)  # refuses --odc-* options
