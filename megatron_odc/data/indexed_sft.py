@@ -6,7 +6,7 @@ Owns the format written by ``python -m megatron_odc.data.preprocess`` and read b
 - ``PREFIX.bin`` / ``PREFIX.idx``: the token ids, one sequence (and one document) per sample, in a
   megatron-core ``IndexedDataset`` (the dtype megatron-core picks for the vocabulary size);
 - ``PREFIX.loss_mask.bin`` / ``.idx``: the token-aligned loss mask (uint8), the same sequence lengths;
-- ``PREFIX.loss_tokens.npy``: per sample, the positions whose prediction carries loss (int64);
+- ``PREFIX.loss_tokens.npy``: per sample, the number of positions whose prediction carries loss (int64);
 - ``PREFIX.sft.json``: the sidecar: format name and version, sample count, the tokenizer's identity
   (vocabulary size and special ids, checked against the training tokenizer), the source file and the
   number of bad lines skipped.
@@ -169,7 +169,7 @@ class IndexedSFTDataset:
 
     Attributes:
         lengths: tokens per sample (after ``max_length``), an int32 array.
-        num_loss_tokens: int64 loss positions per sample, at the full length.
+        num_loss_tokens: int64 count of loss positions per sample, at the full length.
         sidecar: the sidecar's contents.
 
     Raises:
