@@ -54,3 +54,22 @@ def test_quick_fills_only_the_flags_not_given() -> None:
 def test_a_bad_entry_is_named(argv: list[str], named: str) -> None:
     with pytest.raises(ValueError, match=named.replace("+", r"\+")):
         _settings(*argv)
+
+
+def _ranks(*wall_idle: tuple[float, float]) -> list[dict]:
+    return [{"wall_s": wall, "idle_s": idle} for wall, idle in wall_idle]
+
+
+def test_the_bound_divides_the_peer_by_the_evenly_split_busy_time() -> None:
+    bench = _load_imbalance()
+    steps = {
+        "fsdp2+lb_micro": [_ranks((12.0, 3.0), (11.0, 1.0)), _ranks((6.0, 0.0), (6.0, 0.0))],
+        # rank 0 waits 2 s at the fence for rank 1: busy 8 and 10, evenly split 9
+        "odc+lb_mini": [_ranks((10.0, 2.0), (10.0, 0.0)), _ranks((5.0, 0.5), (5.0, 0.5))],
+    }
+    ratio = bench.paired_ratio(steps, "fsdp2+lb_micro", "odc+lb_mini")
+    bound = bench.paired_bound(steps, "fsdp2+lb_micro", "odc+lb_mini")
+    assert ratio == pytest.approx((12 / 10 + 6 / 5) / 2)
+    assert bound == pytest.approx((12 / 9 + 6 / 4.5) / 2)
+    assert bound > ratio
+    assert bench.paired_bound(steps, "fsdp2-noreshard+lb_micro", "odc+lb_mini") is None
