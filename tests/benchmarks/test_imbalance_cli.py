@@ -8,20 +8,20 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_imbalance_fsdp2 import _load_imbalance
+from benchmarks import imbalance
+from benchmarks.imbalance_lib.report import paired_bound, paired_ratio
+from benchmarks.imbalance_lib.settings import CONFIGS, MINIBATCHES, PROFILES
 
 
 def _settings(*argv: str) -> dict:
-    bench = _load_imbalance()
-    return bench.settings_from_args(bench.build_parser().parse_args(list(argv)))
+    return imbalance.settings_from_args(imbalance.build_parser().parse_args(list(argv)))
 
 
 def test_quick_fills_only_the_flags_not_given() -> None:
-    bench = _load_imbalance()
     quick = _settings("--quick")
     assert quick["profiles"] == ["longalign"]
     assert quick["minibatches"] == [4]
-    assert quick["configs"] == list(bench.CONFIGS)
+    assert quick["configs"] == list(CONFIGS)
     assert quick["repeats"] == 5
     given = _settings(
         "--quick",
@@ -37,8 +37,8 @@ def test_quick_fills_only_the_flags_not_given() -> None:
     assert given["profiles"] == ["uniform"]
     assert given["minibatches"] == [4]
     full = _settings()
-    assert full["profiles"] == list(bench.PROFILES)
-    assert full["minibatches"] == list(bench.MINIBATCHES)
+    assert full["profiles"] == list(PROFILES)
+    assert full["minibatches"] == list(MINIBATCHES)
 
 
 @pytest.mark.parametrize(
@@ -61,15 +61,14 @@ def _ranks(*wall_idle: tuple[float, float]) -> list[dict]:
 
 
 def test_the_bound_divides_the_peer_by_the_evenly_split_busy_time() -> None:
-    bench = _load_imbalance()
     steps = {
         "fsdp2+lb_micro": [_ranks((12.0, 3.0), (11.0, 1.0)), _ranks((6.0, 0.0), (6.0, 0.0))],
         # rank 0 waits 2 s at the fence for rank 1: busy 8 and 10, evenly split 9
         "odc+lb_mini": [_ranks((10.0, 2.0), (10.0, 0.0)), _ranks((5.0, 0.5), (5.0, 0.5))],
     }
-    ratio = bench.paired_ratio(steps, "fsdp2+lb_micro", "odc+lb_mini")
-    bound = bench.paired_bound(steps, "fsdp2+lb_micro", "odc+lb_mini")
+    ratio = paired_ratio(steps, "fsdp2+lb_micro", "odc+lb_mini")
+    bound = paired_bound(steps, "fsdp2+lb_micro", "odc+lb_mini")
     assert ratio == pytest.approx((12 / 10 + 6 / 5) / 2)
     assert bound == pytest.approx((12 / 9 + 6 / 4.5) / 2)
     assert bound > ratio
-    assert bench.paired_bound(steps, "fsdp2-noreshard+lb_micro", "odc+lb_mini") is None
+    assert paired_bound(steps, "fsdp2-noreshard+lb_micro", "odc+lb_mini") is None

@@ -1,8 +1,8 @@
 """``benchmarks/imbalance.py``'s FSDP2 rows train the same model as megatron-core DDP.
 
 Two CPU ranks build ``ddp`` (megatron-core DDP), ``fsdp2`` and ``fsdp2-noreshard`` from the benchmark's own
-``_build_all`` (fp32, same seed) and run one minibatch of four samples through the benchmark's
-``_one_step``: ``ddp`` with the ``lb_mini`` plan, the FSDP2 backends with ``lb_micro`` (several microbatches
+``build_all`` (fp32, same seed) and run one minibatch of four samples through the benchmark's
+``one_step``: ``ddp`` with the ``lb_mini`` plan, the FSDP2 backends with ``lb_micro`` (several microbatches
 per rank, so gradient accumulation without sync, and without reshard, is exercised). The gradient norm
 before clipping, the (clipped) gradients of each parameter and all parameters after the AdamW step must
 match DDP's to 1e-5 relative, and the update (new minus initial weights) to 1e-3 (Adam amplifies rounding
@@ -12,28 +12,11 @@ update and the clipped gradients are nearly blind.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 from tests._dist import run_ranks
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "benchmarks" / "imbalance.py"
 LENGTHS = [37, 21, 52, 30]
 CAP = 64
 FSDP2 = ("fsdp2", "fsdp2-noreshard")
-
-
-def _load_imbalance():
-    name = "imbalance_under_test"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _relative_error(a, b) -> float:
@@ -46,29 +29,31 @@ def _rank_fsdp2_vs_ddp(rank: int, world_size: int) -> dict:
     import torch
     from megatron.core import parallel_state
 
+    from benchmarks.imbalance_lib.settings import CPU_COST, MODEL
+    from benchmarks.imbalance_lib.workload import build_microbatches, global_loss_tokens
+    from benchmarks.imbalance_lib.world import build_all, one_step
     from megatron_odc.balance import CostModel, make_plan
     from megatron_odc.integration.cpu import apply_cpu_patches
 
     warnings.filterwarnings("ignore")
-    bench = _load_imbalance()
     patches = apply_cpu_patches()
     try:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-        built = bench._build_all(seq_length=CAP, dtype="fp32", backends=("ddp", *FSDP2))
-        vocab = bench.MODEL["vocab_size"]
+        built = build_all(seq_length=CAP, dtype="fp32", backends=("ddp", *FSDP2))
+        vocab = MODEL["vocab_size"]
         ids = list(range(len(LENGTHS)))
-        cost = CostModel(**bench.CPU_COST)
+        cost = CostModel(**CPU_COST)
         records, counts = {}, {}
         for backend, kind in (("ddp", "lb_mini"), *((b, "lb_micro") for b in FSDP2)):
             plan = make_plan(kind, ids, LENGTHS, world_size, cap_tokens=CAP, cost_model=cost)
-            mbs = bench.build_microbatches(plan.rank_microbatches(rank), dict(plan.lengths), vocab)
-            tokens = bench.global_loss_tokens(plan, world_size, vocab)
-            records[backend] = bench._one_step(built, backend, mbs, CAP, tokens)
+            mbs = build_microbatches(plan.rank_microbatches(rank), dict(plan.lengths), vocab)
+            tokens = global_loss_tokens(plan, world_size, vocab)
+            records[backend] = one_step(built, backend, mbs, CAP, tokens)
             counts[backend] = len(mbs)
         ddp_params = [q.detach() for q in built["ddp"][0].module.parameters()]
         ddp_grads = [q.main_grad for q in built["ddp"][0].module.parameters()]
         # The initial weights (same seed), to compare the updates as well as the weights.
-        reference = bench._build_all(seq_length=CAP, dtype="fp32", backends=("ddp",))["ddp"][0]
+        reference = build_all(seq_length=CAP, dtype="fp32", backends=("ddp",))["ddp"][0]
         initial = [r.detach() for r in reference.module.parameters()]
         initial_flat = torch.cat([r.flatten() for r in initial])
         ddp_flat = torch.cat([q.flatten() for q in ddp_params])
