@@ -33,7 +33,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-SHM_ROOT = Path("/dev/shm")
+SHM_ROOT_ENV = "MEGATRON_ODC_TEST_SHM_ROOT"
+SHM_ROOT = Path(os.environ.get(SHM_ROOT_ENV, "/dev/shm"))
+"""Where each run's private shared-memory directory is made; a test that checks what a subprocess
+leaves behind points it at a directory of its own, so that concurrent test runs do not count."""
 _PRELOAD = [
     "torch",
     "torch.distributed",

@@ -11,7 +11,9 @@ Under ``mpiexec`` this happens whatever the transport, so ``--odc-transport auto
 picks ``mpi`` for a shard group spanning hosts and the node's transport inside one host).
 ``--odc-transport mpi`` without an MPI launch (under torchrun, or a bare ``python``) is refused here,
 before anything is trained, naming the flag and the launch line. The one place that reads the
-launchers' variables; it imports mpi4py only under an MPI launcher.
+launchers' variables; it imports mpi4py only under an MPI launcher. Once every rank has initialised
+MPI it removes the name of MPICH's shared-memory segment, so that a rank that dies leaves nothing in
+``/dev/shm`` ([Note: MPICH's named segment] in ``transport/mpich_segments.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import socket
 from collections.abc import Mapping, MutableMapping
 
 from megatron_odc.transport.mpi import LAUNCH_HINT, import_mpi
+from megatron_odc.transport.mpich_segments import unlink_mapped_mpich_segments
 
 MPI_TRANSPORT = "mpi"
 """The ``--odc-transport`` value that needs an MPI launch."""
@@ -88,6 +91,8 @@ def mpi_torch_env(environ: Mapping[str, str]) -> dict[str, str]:
             environ.get("MASTER_PORT") or str(_free_port()),
         )
     master_addr, master_port = world.bcast(master, root=0)
+    # Every rank has passed MPI_Init (Split_type needed them all): MPICH's segment is mapped everywhere.
+    unlink_mapped_mpich_segments()
     return {
         "RANK": str(world.Get_rank()),
         "WORLD_SIZE": str(world.Get_size()),

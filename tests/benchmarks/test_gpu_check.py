@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import shutil
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
+
+from tests._dist import SHM_ROOT_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "gpu_check.py"
@@ -65,15 +70,21 @@ def test_cpu_rehearsal_runs_every_check_and_passes(tmp_path: Path) -> None:
         "fp8 emulated w=2",
     ]
     out = tmp_path / "numbers.json"
-    before = _rehearsal_dirs()
+    shm_root = Path("/dev/shm") / f"odc-rehearsal-{uuid.uuid4().hex[:12]}"  # this run's only
+    shm_root.mkdir()
     argv = [sys.executable, str(SCRIPT), "--cpu-rehearsal", "--repeats", "2", "--json", str(out)]
-    result = subprocess.run(
-        [*argv, "--only", *checks],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=REPO,
-    )
+    try:
+        result = subprocess.run(
+            [*argv, "--only", *checks],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=REPO,
+            env={**os.environ, SHM_ROOT_ENV: str(shm_root)},
+        )
+        left_behind = sorted(p.name for p in shm_root.iterdir())
+    finally:
+        shutil.rmtree(shm_root, ignore_errors=True)
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
     table = result.stdout.splitlines()
     assert "CPU rehearsal (not a GPU result)" in table[0]
@@ -101,14 +112,7 @@ def test_cpu_rehearsal_runs_every_check_and_passes(tmp_path: Path) -> None:
     # remote_peers="all": the peer through (faked) NVSHMEM get / put; "auto": one host, load / store.
     assert [(r["all"]["remote"], r["auto"]["remote"]) for r in nvshmem] == [([1], []), ([0], [])]
     assert numbers["bandwidth w=2"]["extra"]["acc_det_gbps"] > 0
-    assert _rehearsal_dirs() == before, "the rehearsal left its host 'symmetric memory' behind"
-
-
-def _rehearsal_dirs() -> set[str]:
-    root = Path("/dev/shm")
-    return {
-        p.name for pattern in ("odc-gpu-check-*", "megatron_odc_test_*") for p in root.glob(pattern)
-    }
+    assert not left_behind, f"the rehearsal left its host 'symmetric memory' behind: {left_behind}"
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ import os
 import re
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +25,11 @@ import torch.distributed as dist
 from megatron_odc.runner.launch_env import apply_launch_env, check_mpi_launch, launched_by_mpi
 from megatron_odc.transport import TransportError, build_transport
 from megatron_odc.transport.mpi import MPI_ACCUMULATE_MODES, import_mpi, spans_hosts
+from megatron_odc.transport.mpich_segments import (
+    MPICH_SEGMENT_PREFIX,
+    mapped_mpich_segments,
+    unlink_mapped_mpich_segments,
+)
 from tests._dist import RankFailureError
 from tests._mpi import requires_mpi, run_mpi
 from tests.transport._cases import (
@@ -142,7 +148,14 @@ def _run_main(rank: int, world_size: int) -> dict:
     }
 
 
-def _run_dead_peer(rank: int, world_size: int) -> None:
+def _run_dead_peer(rank: int, world_size: int, record_dir: str) -> None:
+    # The MPICH segments this rank maps, named or not any more (the test checks none is left).
+    segments = [
+        line.split(maxsplit=5)[5].strip().removesuffix(" (deleted)")
+        for line in Path("/proc/self/maps").read_text().splitlines()
+        if MPICH_SEGMENT_PREFIX in line
+    ]
+    Path(record_dir, f"rank{rank}.txt").write_text("\n".join(sorted(set(segments))))
     t = build_transport("mpi", None, timeout_s=60)
     t.register("x", 4, torch.float32)
     t.fence()
@@ -166,13 +179,44 @@ def test_mpi_transport() -> None:
 
 
 @requires_mpi
-def test_a_dead_peer_ends_the_job() -> None:
+def test_a_dead_peer_ends_the_job(tmp_path) -> None:
     start = time.monotonic()
     with pytest.raises(RankFailureError, match=r"rank 1 died") as failure:
-        run_mpi(_run_dead_peer, 2, timeout_s=60)
+        run_mpi(_run_dead_peer, 2, str(tmp_path), timeout_s=60)
     # MPICH's launcher kills the whole job when a rank exits without MPI_Finalize: no one waits.
     assert time.monotonic() - start < 30, failure.value
     assert "hung" not in str(failure.value), failure.value
+    # Nobody finalized, yet MPICH's shared-memory segment is not left in /dev/shm.
+    segments = {
+        name for rank in range(2) for name in (tmp_path / f"rank{rank}.txt").read_text().split()
+    }
+    assert segments, "the ranks mapped no MPICH segment: the check below would prove nothing"
+    assert not [name for name in segments if Path(name).exists()], segments
+
+
+def test_only_this_process_s_named_mpich_segments_are_removed(tmp_path) -> None:
+    ours = Path(f"{MPICH_SEGMENT_PREFIX}odctest_{os.getpid()}_0")
+    another_job = Path(f"{MPICH_SEGMENT_PREFIX}odctest_{os.getpid()}_1")
+    gone_already = f"{MPICH_SEGMENT_PREFIX}odctest_{os.getpid()}_2"
+    maps = tmp_path / "maps"
+    maps.write_text(
+        f"7f00-7f01 rw-s 00000000 00:1a 11 {ours}\n"
+        f"7f01-7f02 rw-s 00000000 00:1a 12 {gone_already} (deleted)\n"
+        "7f02-7f03 r-xp 00000000 08:01 13 /usr/lib/libc.so.6\n"
+        "7f03-7f04 rw-p 00000000 00:00 0\n"
+    )
+    try:
+        ours.write_bytes(b"x")
+        another_job.write_bytes(b"x")
+        assert mapped_mpich_segments(str(maps)) == [str(ours)]
+        assert unlink_mapped_mpich_segments(str(maps)) == [str(ours)]
+        assert not ours.exists()
+        assert another_job.exists()  # not mapped by this process: another job's, kept
+        assert unlink_mapped_mpich_segments(str(maps)) == []  # removed by a peer already: fine
+        assert mapped_mpich_segments(str(tmp_path / "no-proc")) == []
+    finally:
+        for path in (ours, another_job):
+            path.unlink(missing_ok=True)
 
 
 # Refusals (in-process, no launcher needed) #
