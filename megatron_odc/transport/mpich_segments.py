@@ -1,7 +1,7 @@
 """MPICH's named shared-memory segment: its name removed once every rank of the host has mapped it.
 
 [Note: MPICH's named segment]
-MPICH (4.x, the ``mpich`` wheel of requirements.txt) creates one POSIX shared-memory segment per host in
+MPICH (5.0, the ``mpich`` wheel of requirements.txt) creates one POSIX shared-memory segment per host in
 ``MPI_Init`` (``/dev/shm/mpich_shm_<id>_<n>``, about 2 MiB) and removes its name only in
 ``MPI_Finalize``; window memory and UCX's segments are unlinked as soon as they are mapped. A rank that
 dies without ``MPI_Finalize`` makes the launcher (hydra) kill the others, so nobody finalizes and the
