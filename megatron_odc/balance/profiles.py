@@ -34,13 +34,32 @@ def default_profiles_path() -> Path:
     return Path(env) if env else SHIPPED_PROFILES_PATH
 
 
-def _check_lengths(lengths: object, where: str) -> list[int]:
+def _check_lengths(lengths: object, where: str, lines: list[int] | None = None) -> list[int]:
+    """``lengths`` if it is a non-empty list of non-negative ints, else a ValueError.
+
+    A bad entry is named by ``where`` and its 1-based item number, or ``where:line`` when ``lines``
+    (the line of each entry in a text file) is given.
+    """
     if not isinstance(lengths, list) or not lengths:
         raise ValueError(f"{where}: expected a non-empty list of lengths")
     for i, length in enumerate(lengths):
         if isinstance(length, bool) or not isinstance(length, int) or length < 0:
-            raise ValueError(f"{where}: length {i} must be a non-negative integer, got {length!r}")
+            at = f"{where}:{lines[i]}" if lines is not None else f"{where}: item {i + 1}"
+            raise ValueError(
+                f"{at}: length {length!r} is not allowed; lengths must be non-negative integers"
+            )
     return list(lengths)
+
+
+def _parse_json(text: str, file: Path, expected: str) -> object:
+    """``json.loads(text)``, with a decoding error naming ``file`` and its line."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"{file}:{err.lineno}: not valid JSON ({err.msg}, line {err.lineno} column "
+            f"{err.colno}); expected {expected}"
+        ) from None
 
 
 def load_profiles(path: str | os.PathLike | None = None) -> dict[str, dict]:
@@ -60,7 +79,7 @@ def load_profiles(path: str | os.PathLike | None = None) -> dict[str, dict]:
         raise ValueError(
             f"length profile file {file} not found; pass --profiles-file or set {PROFILES_ENV}"
         )
-    data = json.loads(file.read_text())
+    data = _parse_json(file.read_text(), file, 'a JSON object {name: {"lengths": [...]}}')
     if not isinstance(data, dict):
         raise ValueError(f"{file}: expected a JSON object of profiles")
     for name, profile in data.items():
@@ -71,10 +90,11 @@ def load_profiles(path: str | os.PathLike | None = None) -> dict[str, dict]:
 
 def load_profile_lengths(name: str, path: str | os.PathLike | None = None) -> list[int]:
     """Returns the sample lengths of profile ``name`` (see :func:`load_profiles` for ``path``)."""
-    profiles = load_profiles(path)
+    file = Path(path) if path is not None else default_profiles_path()
+    profiles = load_profiles(file)
     if name not in profiles:
         raise ValueError(f"unknown profile {name!r}; the file has {sorted(profiles)}")
-    return _check_lengths(profiles[name]["lengths"], f"profile {name!r}")
+    return _check_lengths(profiles[name]["lengths"], f"{file}: profile {name!r}")
 
 
 def load_lengths_file(path: str | os.PathLike) -> list[int]:
@@ -84,8 +104,9 @@ def load_lengths_file(path: str | os.PathLike) -> list[int]:
         raise ValueError(f"lengths file {file} not found")
     text = file.read_text()
     if text.lstrip().startswith("["):
-        return _check_lengths(json.loads(text), str(file))
-    lengths = []
+        expected = "a JSON list of lengths, or one integer per line"
+        return _check_lengths(_parse_json(text, file, expected), str(file))
+    lengths, lines = [], []
     for line_no, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -93,7 +114,8 @@ def load_lengths_file(path: str | os.PathLike) -> list[int]:
             lengths.append(int(line.strip()))
         except ValueError:
             raise ValueError(f"{file}:{line_no}: not an integer length: {line.strip()!r}") from None
-    return _check_lengths(lengths, str(file))
+        lines.append(line_no)
+    return _check_lengths(lengths, str(file), lines)
 
 
 def minibatch_sample_ids(

@@ -17,13 +17,19 @@ import argparse
 import dataclasses
 import json
 import math
+import re
 import sys
 from collections.abc import Sequence
 
 from megatron_odc.balance.cost import CostModel
 from megatron_odc.balance.plan import PLAN_KINDS, TOO_LONG_POLICIES, Plan, make_plan
 from megatron_odc.balance.profiles import minibatch_sample_ids
-from megatron_odc.tools.cli_args import draw_options, explicit_cost_model, lengths_from_args
+from megatron_odc.tools.cli_args import (
+    draw_options,
+    explicit_cost_model,
+    lengths_from_args,
+    non_negative_float,
+)
 from megatron_odc.tools.presets import MODEL_PRESETS, preset_cost_model
 from megatron_odc.tools.reference import reference_lb_micro
 
@@ -223,11 +229,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="FLOP cost model preset (DeepSeek-R1-Distill-Qwen sizes)",
     )
     parser.add_argument(
-        "--cost-a", type=float, help="explicit quadratic coefficient (with --cost-b)"
+        "--cost-a", type=non_negative_float, help="explicit quadratic coefficient (with --cost-b)"
     )
-    parser.add_argument("--cost-b", type=float, help="explicit linear coefficient (with --cost-a)")
+    parser.add_argument(
+        "--cost-b", type=non_negative_float, help="explicit linear coefficient (with --cost-a)"
+    )
     parser.add_argument("--json", action="store_true", help="write JSON instead of a table")
     return parser
+
+
+# make_plan's error for a sample over the cap with too_long="error", worded for Python callers.
+_TOO_LONG_ERROR = re.compile(
+    r"sample (\d+) has length (\d+) > cap_tokens=(\d+); pass too_long='truncate' or too_long='alone'"
+)
+
+
+def _cli_message(err: ValueError, args: argparse.Namespace) -> str:
+    """``err``'s message in terms of this command line (flags, not keyword arguments)."""
+    match = _TOO_LONG_ERROR.fullmatch(str(err))
+    if match is None:
+        return str(err)
+    sid, length, cap = (int(group) for group in match.groups())
+    source = args.lengths if args.lengths is not None else f"profile {args.profile!r}"
+    return (
+        f"{source}: item {sid + 1} has length {length} > --cap {cap}; pass --too-long truncate "
+        "or --too-long alone, or a larger --cap"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -243,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             lengths, cost_model=cost_model, too_long=args.too_long, **draw_options(args)
         )
     except ValueError as err:
-        parser.error(str(err))
+        parser.error(_cli_message(err, args))
     result["config"]["source"] = args.lengths or f"profile:{args.profile}"
     if args.json:
         sys.stdout.write(json.dumps(result, indent=1) + "\n")

@@ -20,8 +20,37 @@ __all__ = [
     "benchmark_report",
     "calibrate_from_benchmark",
     "format_benchmark_report",
+    "load_benchmark_file",
     "model_from_benchmark",
 ]
+
+
+def load_benchmark_file(path: str) -> dict:
+    """Reads a ``benchmarks/imbalance.py --out`` file.
+
+    Raises:
+        ValueError: the file is missing, is not JSON (naming its line), or lacks a top-level key
+            of such a file.
+    """
+    hint = "pass a benchmarks/imbalance.py --out file"
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as err:
+        raise ValueError(f"benchmark file {path}: {err.strerror}; {hint}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"{path}:{err.lineno}: not valid JSON ({err.msg}, line {err.lineno} column "
+            f"{err.colno}); {hint}"
+        ) from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object; {hint}")
+    missing = [key for key in ("meta", "results", "rows") if key not in data]
+    if missing:
+        raise ValueError(f"{path}: no top-level {missing}; {hint}")
+    return data
 
 
 def calibrate_from_benchmark(data: dict, *, microbatch_overhead_s: float) -> Hardware:
@@ -146,9 +175,11 @@ def benchmark_report(
     Returns:
         One dict per (cell, config): predicted and measured step time and speedup, and their
         ``ratio`` when both speedups are known.
+
+    Raises:
+        ValueError: the file is not a benchmark file (see :func:`load_benchmark_file`).
     """
-    with open(path) as f:
-        data = json.load(f)
+    data = load_benchmark_file(path)
     settings = data["meta"]["settings"]
     cap = 65536 // settings["length_scale"]
     plan_cost = plan_cost or CostModel(**settings["cost"])

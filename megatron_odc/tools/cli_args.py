@@ -4,17 +4,67 @@ Owns the meaning of ``--lengths`` / ``--profile`` / ``--profiles-file`` (:func:`
 ``--cost-a`` / ``--cost-b`` (:func:`explicit_cost_model`), ``--cap`` (:func:`cap_tokens`) and the
 minibatch-drawing flags ``--dp`` / ``--minibatch`` / ``--num-minibatches`` / ``--seed``
 (:func:`draw_options`) for :mod:`megatron_odc.tools.balance_cli` and
-:mod:`megatron_odc.tools.simulate`. Each CLI declares the flags itself (defaults and help differ).
+:mod:`megatron_odc.tools.simulate`. Each CLI declares the flags itself (defaults and help differ);
+the ``type=`` checkers :func:`positive_int`, :func:`positive_float` and :func:`non_negative_float`
+refuse a bad number at parse time, where argparse names the flag.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 
 from megatron_odc.balance.cost import CostModel
 from megatron_odc.balance.profiles import load_lengths_file, load_profile_lengths
 
-__all__ = ["cap_tokens", "draw_options", "explicit_cost_model", "lengths_from_args"]
+__all__ = [
+    "cap_tokens",
+    "draw_options",
+    "explicit_cost_model",
+    "lengths_from_args",
+    "non_negative_float",
+    "positive_float",
+    "positive_int",
+]
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type=``: an integer >= 1 (argparse prefixes the error with the flag)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def _finite_float(text: str, bound: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a finite number {bound}, got {text!r}"
+        ) from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse ``type=``: a finite number > 0 (argparse prefixes the error with the flag)."""
+    value = _finite_float(text, "> 0")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """argparse ``type=``: a finite number >= 0 (argparse prefixes the error with the flag)."""
+    value = _finite_float(text, ">= 0")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
 
 
 def lengths_from_args(args: argparse.Namespace) -> list[int]:

@@ -22,6 +22,7 @@ from megatron_odc.tools.calibration import (
     benchmark_report,
     calibrate_from_benchmark,
     format_benchmark_report,
+    load_benchmark_file,
     model_from_benchmark,
 )
 from megatron_odc.tools.cli_args import (
@@ -29,6 +30,9 @@ from megatron_odc.tools.cli_args import (
     draw_options,
     explicit_cost_model,
     lengths_from_args,
+    non_negative_float,
+    positive_float,
+    positive_int,
 )
 from megatron_odc.tools.paper import (
     format_multinode_report,
@@ -100,24 +104,34 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-minibatches", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", choices=sorted(MODEL_PRESETS), default="1.5b")
-    parser.add_argument("--cost-a", type=float, help="quadratic cost coefficient (with --cost-b)")
-    parser.add_argument("--cost-b", type=float, help="linear cost coefficient (with --cost-a)")
-    parser.add_argument("--num-layers", type=int, help="layers (with --cost-a/--cost-b)")
     parser.add_argument(
-        "--layer-param-nbytes", type=float, help="parameter bytes per layer (with --cost-a/b)"
+        "--cost-a", type=non_negative_float, help="quadratic cost coefficient (with --cost-b)"
     )
     parser.add_argument(
-        "--layer-grad-nbytes", type=float, help="gradient bytes per layer (default 2x params)"
+        "--cost-b", type=non_negative_float, help="linear cost coefficient (with --cost-a)"
     )
-    parser.add_argument("--flops-per-s", type=float, default=A100_ROCE.flops_per_s)
-    parser.add_argument("--intra-gbps", type=float, default=A100_ROCE.intra_node_gbps)
-    parser.add_argument("--inter-gbps", type=float, default=A100_ROCE.inter_node_gbps)
-    parser.add_argument("--gpus-per-node", type=int, default=A100_ROCE.gpus_per_node)
-    parser.add_argument("--latency-s", type=float, default=A100_ROCE.latency_s)
+    parser.add_argument("--num-layers", type=positive_int, help="layers (with --cost-a/--cost-b)")
     parser.add_argument(
-        "--collective-latency-s", type=float, help="fixed time per collective (default --latency-s)"
+        "--layer-param-nbytes",
+        type=positive_float,
+        help="parameter bytes per layer (with --cost-a/b)",
     )
-    parser.add_argument("--microbatch-overhead-s", type=float, default=0.0)
+    parser.add_argument(
+        "--layer-grad-nbytes",
+        type=positive_float,
+        help="gradient bytes per layer (with --cost-a/b; default 2x params)",
+    )
+    parser.add_argument("--flops-per-s", type=positive_float, default=A100_ROCE.flops_per_s)
+    parser.add_argument("--intra-gbps", type=positive_float, default=A100_ROCE.intra_node_gbps)
+    parser.add_argument("--inter-gbps", type=positive_float, default=A100_ROCE.inter_node_gbps)
+    parser.add_argument("--gpus-per-node", type=positive_int, default=A100_ROCE.gpus_per_node)
+    parser.add_argument("--latency-s", type=non_negative_float, default=A100_ROCE.latency_s)
+    parser.add_argument(
+        "--collective-latency-s",
+        type=non_negative_float,
+        help="fixed time per collective (default --latency-s)",
+    )
+    parser.add_argument("--microbatch-overhead-s", type=non_negative_float, default=0.0)
     parser.add_argument(
         "--no-overlap", action="store_true", help="communication adds to compute (CPU ranks)"
     )
@@ -125,12 +139,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_LAYER_FLAGS = ("--num-layers", "--layer-param-nbytes", "--layer-grad-nbytes")
+
+
+def _check_layer_flags(args: argparse.Namespace) -> None:
+    """Refuses the layer flags without an explicit cost model.
+
+    They are not overrides of a ``--model`` preset (nor of a benchmark file's own model): a
+    preset's FLOP cost model and bytes per layer both follow from its layer count, so changing one
+    alone would describe no real model. They complete ``--cost-a``/``--cost-b`` instead.
+
+    Raises:
+        ValueError: a layer flag is given without ``--cost-a`` and ``--cost-b``.
+    """
+    given = [flag for flag in _LAYER_FLAGS if getattr(args, flag[2:].replace("-", "_")) is not None]
+    if given and args.cost_a is None and args.cost_b is None:
+        verb, pronoun = ("is", "it") if len(given) == 1 else ("are", "them")
+        default = "the benchmark file's model" if args.benchmark_json else "the --model preset"
+        raise ValueError(
+            f"{' and '.join(given)} {verb} only used with --cost-a and --cost-b (an explicit "
+            "model, with --num-layers and --layer-param-nbytes); add those, or drop "
+            f"{pronoun} to use {default}"
+        )
+
+
 def _model_from_args(args: argparse.Namespace) -> ModelSpec:
     """The ``--model`` preset, or the model given by ``--cost-a/--cost-b`` and the layer flags.
 
     Raises:
-        ValueError: the explicit model's flags are incomplete.
+        ValueError: the explicit model's flags are incomplete, or given without it.
     """
+    _check_layer_flags(args)
     cost = explicit_cost_model(args)
     if cost is None:
         return ModelSpec.from_preset(args.model)
@@ -143,6 +182,30 @@ def _model_from_args(args: argparse.Namespace) -> ModelSpec:
         grad_nbytes_per_layer=2 * args.layer_param_nbytes if grad is None else grad,
         cost=cost,
     )
+
+
+def _benchmark_result(args: argparse.Namespace, hw: Hardware) -> dict:
+    """``--benchmark-json``: predicted vs measured cells, calibrated from the file unless
+    ``--cost-a/--cost-b`` give the model (then ``hw`` comes from the hardware flags).
+
+    Raises:
+        ValueError: the file is not a ``benchmarks/imbalance.py --out`` file, or a flag is bad.
+    """
+    _check_layer_flags(args)
+    try:
+        if args.cost_a is None:  # calibrate everything from the file itself
+            data = load_benchmark_file(args.benchmark_json)
+            hw = calibrate_from_benchmark(data, microbatch_overhead_s=args.microbatch_overhead_s)
+            bench_model = model_from_benchmark(data)
+        else:
+            bench_model = _model_from_args(args)
+        cells = benchmark_report(args.benchmark_json, hw=hw, model=bench_model)
+    except KeyError as err:  # a field deeper than the top-level keys load_benchmark_file checks
+        raise ValueError(
+            f"{args.benchmark_json}: no key {err} where a benchmarks/imbalance.py --out file has "
+            "one; pass such a file"
+        ) from None
+    return {"hardware": dataclasses.asdict(hw), "cells": cells}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -186,17 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             text = format_paper_report(report)
             result: object = report
         elif args.benchmark_json:
-            if args.cost_a is None:  # calibrate everything from the file itself
-                with open(args.benchmark_json) as f:
-                    data = json.load(f)
-                hw = calibrate_from_benchmark(
-                    data, microbatch_overhead_s=args.microbatch_overhead_s
-                )
-                bench_model = model_from_benchmark(data)
-            else:
-                bench_model = _model_from_args(args)
-            cells = benchmark_report(args.benchmark_json, hw=hw, model=bench_model)
-            result = {"hardware": dataclasses.asdict(hw), "cells": cells}
+            result = _benchmark_result(args, hw)
             text = format_benchmark_report(result)
         else:
             if args.profile is None and args.lengths is None:

@@ -13,6 +13,9 @@ from megatron_odc.tools.cli_args import (
     draw_options,
     explicit_cost_model,
     lengths_from_args,
+    non_negative_float,
+    positive_float,
+    positive_int,
 )
 
 
@@ -66,3 +69,19 @@ def test_draw_options_map_the_flags_to_keywords() -> None:
         "num_minibatches": 5,
         "seed": 9,
     }
+
+
+@pytest.mark.parametrize(
+    ("check", "good", "bad"),
+    [
+        (positive_int, {"1": 1, "28": 28}, ["0", "-3", "1.5", "x"]),
+        (positive_float, {"1e9": 1e9, "0.5": 0.5}, ["0", "-10", "nan", "inf", "-inf", "x"]),
+        (non_negative_float, {"0": 0.0, "2.5": 2.5}, ["-1", "-1e-9", "nan", "inf", "x"]),
+    ],
+)
+def test_number_checkers_refuse_what_the_flags_cannot_mean(check, good, bad) -> None:
+    for text, value in good.items():
+        assert check(text) == value
+    for text in bad:
+        with pytest.raises(argparse.ArgumentTypeError, match=f"got {text!r}"):
+            check(text)
