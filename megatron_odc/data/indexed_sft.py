@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from megatron_odc.data.indexed_files import check_indexed_dataset
 from megatron_odc.data.sft import SFTSample
 
 logger = logging.getLogger(__name__)
@@ -173,8 +174,8 @@ class IndexedSFTDataset:
         sidecar: the sidecar's contents.
 
     Raises:
-        ValueError: a file is missing, the sidecar is not this format or version, the files disagree,
-            or the tokenizer differs from the preprocessing one.
+        ValueError: a file is missing, unreadable or shorter than its index says, the sidecar is not
+            this format or version, the files disagree, or the tokenizer differs from the preprocessing one.
     """
 
     def __init__(self, prefix: str, tokenizer, max_length: int | None = None) -> None:
@@ -193,6 +194,9 @@ class IndexedSFTDataset:
         for suffix in _DATA_SUFFIXES:
             if not os.path.isfile(prefix + suffix):
                 raise ValueError(f"--data-path {prefix}: {prefix + suffix} is missing")
+        # Before megatron-core opens them: it asserts on a bad index, and reads past a short .bin late.
+        check_indexed_dataset(prefix, f"--data-path {prefix}")
+        check_indexed_dataset(prefix + _MASK, f"--data-path {prefix}")
         self._tokens = indexed.IndexedDataset(prefix, mmap=True)
         self._masks = indexed.IndexedDataset(prefix + _MASK, mmap=True)
         self.num_loss_tokens = np.load(prefix + _LOSS_TOKENS, mmap_mode="r")

@@ -177,3 +177,23 @@ def test_save_hf_needs_another_directory_than_load_hf(hf_models, tmp_path):
     same = ["--load-hf", str(hf_models["llama"]), "--save-hf", str(hf_models["llama"])]
     with pytest.raises(ValueError, match="is the --load-hf directory"):
         validate_args(build_parser().parse_args(same), world_size=1)
+
+
+def test_a_config_json_that_does_not_parse_or_means_nonsense_is_named(hf_models, tmp_path):
+    import json
+    import shutil
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{bad")
+    with pytest.raises(ValueError, match=r"config.json cannot be read as a Hugging Face config"):
+        validate_args(build_parser().parse_args(["--load-hf", str(broken)]), world_size=2)
+    negative = tmp_path / "negative"
+    shutil.copytree(hf_models["llama"], negative)
+    config = json.loads((negative / "config.json").read_text())
+    config["hidden_size"] = -48
+    (negative / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ValueError, match=r"config.json means --hidden-size -48, which must be >= 1"
+    ):
+        validate_args(build_parser().parse_args(["--load-hf", str(negative)]), world_size=2)

@@ -1,0 +1,95 @@
+"""Pretraining prefixes (``--data-path PREFIX``): damaged megatron-core files are refused by the flag
+check, before anything is built, naming the file (megatron-core asserts on a bad index, with ``__del__``
+noise, and reads past the end of a short ``.bin`` only at the first sample it reaches, naming no
+file: ``data/indexed_files.py``); intact ones build megatron-core's GPTDataset (``mcore/datasets.py``)."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import random
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_odc.data import ByteTokenizer
+from megatron_odc.mcore.datasets import gpt_pretraining_dataset
+from megatron_odc.runner.arguments import build_parser, validate_args
+
+
+def _write(prefix: str, num_docs: int = 30) -> None:
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    rng = random.Random(0)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for _ in range(num_docs):
+        ids = [rng.randrange(250) for _ in range(rng.randint(20, 80))] + [ByteTokenizer().eos_id]
+        builder.add_document(torch.tensor(ids), [len(ids)])
+    builder.finalize(prefix + ".idx")
+
+
+def _args(tmp_path, data_path: list[str]) -> argparse.Namespace:
+    return argparse.Namespace(
+        seed=1,
+        seq_length=32,
+        data_path=data_path,
+        split="100,0,0",
+        data_cache_path=str(tmp_path / "cache"),
+        train_iters=2,
+        global_batch_size=4,
+    )
+
+
+@pytest.fixture
+def prefixes(tmp_path) -> tuple[str, str]:
+    good, bad = str(tmp_path / "good"), str(tmp_path / "bad")
+    _write(good)
+    _write(bad)
+    return good, bad
+
+
+def _refused(tmp_path, data_path: list[str], monkeypatch) -> str:
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    try:
+        validate_args(build_parser().parse_args(["--data-path", *data_path]), world_size=2)
+    except ValueError as exc:
+        message = str(exc)
+    else:
+        pytest.fail(f"{data_path} accepted")
+    gc.collect()  # the traceback is gone: a half-built megatron-core object would complain now
+    assert not unraisable, [u.exc_value for u in unraisable]
+    assert "\n" not in message
+    return message
+
+
+def test_an_index_that_is_not_one_is_refused_by_name(tmp_path, prefixes, monkeypatch):
+    good, bad = prefixes
+    with open(bad + ".idx", "wb") as f:
+        f.write(b"garbage " * 20)
+    message = _refused(tmp_path, [good, bad], monkeypatch)
+    assert message.startswith(f"--data-path {bad}: {bad}.idx is not a megatron-core indexed ")
+    assert "re-run the preprocessing" in message
+
+
+@pytest.mark.parametrize("cut", [1000, 0])
+def test_a_truncated_bin_is_refused_before_building(tmp_path, prefixes, cut, monkeypatch):
+    _, bad = prefixes
+    full = os.path.getsize(bad + ".bin")
+    assert full > cut
+    with open(bad + ".bin", "r+b") as f:
+        f.truncate(cut)
+    message = _refused(tmp_path, [bad], monkeypatch)
+    assert message.startswith(
+        f"--data-path {bad}: {bad}.bin is {cut} bytes, but its index {bad}.idx says it holds "
+        f"{full} bytes: the file is incomplete"
+    )
+
+
+def test_intact_prefixes_build(tmp_path, prefixes):
+    dataset = gpt_pretraining_dataset(_args(tmp_path, [prefixes[0]]), ByteTokenizer())
+    assert len(dataset) >= 8
+    assert dataset[0]["tokens"].shape == (32,)
