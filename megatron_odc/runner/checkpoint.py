@@ -17,6 +17,7 @@ training state kept beside the weights (:func:`training_state`, :func:`restore_t
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -26,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_odc.mcore import rng
 from megatron_odc.mcore.dist_ckpt import state as dist_ckpt
@@ -206,8 +208,9 @@ def load_checkpoint(
         sampler and scheduler state are global; per-rank RNG states then come from rank 0).
 
     Raises:
-        ValueError: no checkpoint in ``load_dir``, or the checkpoint does not fit the model (a tensor is
-            missing or has another shape; the message names it).
+        ValueError: no checkpoint in ``load_dir``, a damaged one (a file that cannot be read: each
+            rank's error is named), or one that does not fit the model (a tensor is missing or has
+            another shape; the message names it).
     """
     iteration = latest_iteration(load_dir)
     if iteration is None:
@@ -218,12 +221,33 @@ def load_checkpoint(
             f"{TRACKER_FILENAME} in {load_dir} names iteration {iteration}, but {checkpoint_dir} "
             "does not exist"
         )
-    dist_ckpt.load(
-        checkpoint_dir, model, optimizer, load_optimizer=optimizer is not None and not finetune
-    )
+    try:
+        dist_ckpt.load(
+            checkpoint_dir, model, optimizer, load_optimizer=optimizer is not None and not finetune
+        )
+    except CheckpointException as exc:  # a read failed on some rank; every rank gets the same
+        raise ValueError(
+            f"--load {load_dir}: iteration {iteration} cannot be read ("
+            + "; ".join(
+                f"rank {rank}: {_first_line(error)}"
+                for rank, (error, _) in sorted(exc.failures.items())
+            )
+            + f"): files in {checkpoint_dir} are damaged or incomplete; load another iteration "
+            f"(the number in {TRACKER_FILENAME}) or save again"
+        ) from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"--load {load_dir}: a JSON file of {checkpoint_dir} (metadata.json) does not parse "
+            f"({exc}); the checkpoint is damaged"
+        ) from None
     if finetune:
         return 0, {}
     return iteration, _load_extra_state(checkpoint_dir)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
 
 def _load_extra_state(checkpoint_dir: Path) -> dict:

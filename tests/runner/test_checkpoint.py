@@ -827,3 +827,42 @@ def test_full_resume_across_backends(tmp_path, flags, pairs, stop_at, oracle, ki
         assert sorted(res["diffs"]) == kinds, (a, b)
         for kind, diff in res["diffs"].items():
             assert diff <= 1e-5, f"{a} -> {b}: {kind} differ by {diff:.2e} ({res['diffs']})"
+
+
+def test_a_damaged_checkpoint_is_one_error_naming_load_and_each_rank(tmp_path, monkeypatch) -> None:
+    """A file that cannot be read (torch's CheckpointException, gathered over the ranks) or a
+    metadata.json that does not parse becomes a ValueError naming --load, the iteration and each
+    rank's error (measured before: six tracebacks, or a bare JSON message)."""
+    import json
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from megatron_odc.runner import checkpoint
+
+    load = tmp_path / "ck"
+    (load / "iter_0000002").mkdir(parents=True)
+    (load / checkpoint.TRACKER_FILENAME).write_text("2")
+    failures = {
+        1: (RuntimeError("PytorchStreamReader failed reading zip archive\nmore text"), None),
+        0: (EOFError(), None),
+    }
+    errors = {
+        "read": CheckpointException("load", failures),
+        "json": json.JSONDecodeError("Expecting value", "", 0),
+    }
+    for kind, error in errors.items():
+
+        def damaged(*args, error=error, **kwargs):
+            raise error
+
+        monkeypatch.setattr(checkpoint.dist_ckpt, "load", damaged)
+        with pytest.raises(ValueError) as refused:
+            checkpoint.load_checkpoint(load, torch.nn.Linear(2, 2), None)
+        message = str(refused.value)
+        assert message.startswith(f"--load {load}: "), message
+        if kind == "read":
+            assert "iteration 2 cannot be read (rank 0: EOFError; rank 1: RuntimeError: " in message
+            assert "PytorchStreamReader failed reading zip archive)" in message
+            assert "more text" not in message
+        else:
+            assert "metadata.json) does not parse (Expecting value" in message
