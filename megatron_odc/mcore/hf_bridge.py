@@ -67,7 +67,8 @@ def read_hf_config(hf_dir: str | os.PathLike) -> Any:
     """The ``transformers`` config of a local HF model directory (nothing is downloaded).
 
     Raises:
-        ValueError: no such directory, no config.json, or a model type not in ``SUPPORTED_MODEL_TYPES``.
+        ValueError: no such directory, no config.json, a config.json that does not parse, or a model
+            type not in ``SUPPORTED_MODEL_TYPES``.
     """
     _import_mbridge()
     import transformers
@@ -78,7 +79,16 @@ def read_hf_config(hf_dir: str | os.PathLike) -> Any:
             f"{path!r} is not a Hugging Face model directory (no config.json); pass a local "
             "directory written by save_pretrained (nothing is downloaded)"
         )
-    config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    config_file = os.path.join(path, "config.json")
+    try:
+        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:  # transformers wraps a JSON error in an OSError
+        cause = exc.__cause__ or exc.__context__ or exc
+        detail = str(cause).splitlines()[0] if str(cause) else ""
+        raise ValueError(
+            f"{config_file} cannot be read as a Hugging Face config ({type(cause).__name__}: "
+            f"{detail}); fix or replace the file"
+        ) from exc
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"{path}: model_type {config.model_type!r} is not supported; supported: "
