@@ -9,6 +9,8 @@ naming it, before anything is built), makes megatron-core run on CPU where there
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import logging
 import os
 import sys
@@ -20,10 +22,13 @@ from megatron_odc.integration.cpu import cpu_runtime
 from megatron_odc.runner.arguments import build_parser, validate_args
 from megatron_odc.runner.errors import REPORT_ATTRIBUTE
 from megatron_odc.runner.health import EXIT_PEER_FAILURE, PeerFailureError
-from megatron_odc.runner.launch_env import apply_launch_env
+from megatron_odc.runner.launch_env import apply_launch_env, launch_local_rank, launched
 from megatron_odc.runner.trainer import TrainResult, train
 
 logger = logging.getLogger("megatron_odc.train")
+
+EXIT_INTERRUPTED = 130
+"""Exit status after Ctrl-C (SIGINT), as a shell reports it."""
 
 
 def run(args: argparse.Namespace) -> TrainResult:
@@ -43,20 +48,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         or stopped (one line naming it, ``runner/health.py``).
     """
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # Flag errors come before any process group: every rank finds the same one, so only the first
+    # rank of each host prints it (once per job on one host; per host where files differ by host).
+    reporter = launch_local_rank(os.environ) in (None, 0)
+    with contextlib.ExitStack() as quiet:
+        if not reporter:
+            quiet.enter_context(contextlib.redirect_stderr(io.StringIO()))
+            quiet.enter_context(contextlib.redirect_stdout(io.StringIO()))
+        args = parser.parse_args(argv)
+
+    def flag_error(message: str) -> int:
+        if reporter:
+            sys.stderr.write(f"{parser.prog}: error: {message}\n")
+        return 2
+
     try:
         apply_launch_env(args.odc_transport)
     except ValueError as exc:
-        sys.stderr.write(f"{parser.prog}: error: {exc}\n")
-        return 2
+        return flag_error(str(exc))
     world_size = (
         dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     )
     try:
         validate_args(args, world_size=world_size)
     except ValueError as exc:
-        sys.stderr.write(f"{parser.prog}: error: {exc}\n")
-        return 2
+        return flag_error(str(exc))
+    if not dist.is_initialized() and not launched(os.environ):
+        return flag_error(
+            "started without a launcher (RANK is not set): run it under torchrun, e.g. torchrun "
+            "--nproc-per-node 2 -m megatron_odc.train ..., or under mpiexec -n N"
+        )
     try:
         result = run(args)
     except ValueError as exc:  # a user error (bad data, tokenizer, checkpoint): no traceback
@@ -68,6 +89,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # another rank died or stopped: this rank names it, no traceback
         sys.stderr.write(f"{parser.prog}: error: {exc}\n")
         return EXIT_PEER_FAILURE
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank: one line per host, the shell's status
+        if reporter:
+            sys.stderr.write(f"{parser.prog}: interrupted\n")
+        return EXIT_INTERRUPTED
     first = result.losses[min(result.losses)] if result.losses else None
     final = result.final_loss
     logger.info(  # rank 0 only: other ranks log warnings only

@@ -12,8 +12,10 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import tempfile
 
 from megatron_odc.core.fp8 import FP8_FORMATS, FP8_RECIPES, check_fp8_flags
+from megatron_odc.data.indexed_files import check_indexed_dataset
 from megatron_odc.data.indexed_sft import is_indexed_sft, sidecar_path
 from megatron_odc.mcore.config import check_pipeline_layers
 from megatron_odc.runner.launch_env import check_mpi_launch
@@ -403,6 +405,7 @@ def _check_pretraining_data(args: argparse.Namespace) -> None:
                     f"--data-path {prefix!r}: {prefix + suffix} does not exist (pretraining reads "
                     "Megatron indexed datasets PREFIX.bin / PREFIX.idx; pass --sft for a JSONL file)"
                 )
+        check_indexed_dataset(prefix, f"--data-path {prefix}")
     if args.max_tokens_per_microbatch != args.seq_length:
         raise ValueError(
             "--max-tokens-per-microbatch must equal --seq-length for pretraining: every sample "
@@ -563,6 +566,12 @@ def _apply_hf_config(args: argparse.Namespace) -> None:
         hf_flags = hf_model_flags(args.load_hf)
     except ValueError as exc:
         raise ValueError(f"--load-hf {args.load_hf}: {exc}") from None
+    for name, value in hf_flags.items():
+        if name in _POSITIVE and value is not None and value < 1:
+            raise ValueError(
+                f"--load-hf {args.load_hf}: its config.json means --{name.replace('_', '-')} "
+                f"{value}, which must be >= 1; fix the config"
+            )
     hf_vocab = hf_flags.pop("vocab_size")
     for name, value in hf_flags.items():
         given = getattr(args, name)
@@ -632,6 +641,32 @@ def _check_model(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1)")
 
 
+_REAL_RANGES: dict[str, tuple[float, float, str]] = {
+    "lr": (0.0, math.inf, ">= 0"),
+    "min_lr": (0.0, math.inf, ">= 0"),
+    "lr_warmup_init": (0.0, math.inf, ">= 0"),
+    "weight_decay": (0.0, math.inf, ">= 0"),
+    "clip_grad": (0.0, math.inf, ">= 0"),
+    "init_method_std": (0.0, math.inf, ">= 0"),
+    "adam_beta1": (0.0, 1.0, "in [0, 1)"),
+    "adam_beta2": (0.0, 1.0, "in [0, 1)"),
+    "adam_eps": (math.ulp(0.0), math.inf, "> 0"),
+    "loss_scale": (math.ulp(0.0), math.inf, "> 0"),
+    "initial_loss_scale": (math.ulp(0.0), math.inf, "> 0"),
+}
+"""Real-valued flags -> (lowest allowed, first value above the range, the rule as a message says it).
+NaN and infinity are refused for all of them."""
+
+
+def _check_real_ranges(args: argparse.Namespace) -> None:
+    for name, (lowest, above, rule) in _REAL_RANGES.items():
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and lowest <= value < above):
+            raise ValueError(
+                f"--{name.replace('_', '-')} must be a finite number {rule}, got {value}"
+            )
+
+
 def _check_optimization(args: argparse.Namespace) -> None:
     if not args.calculate_per_token_loss:
         raise ValueError(
@@ -644,8 +679,7 @@ def _check_optimization(args: argparse.Namespace) -> None:
         args.lr_decay_iters = args.train_iters
     if args.lr_warmup_iters is None:
         args.lr_warmup_iters = min(DEFAULT_LR_WARMUP_ITERS, args.lr_decay_iters - 1)
-    if args.lr < 0 or args.min_lr < 0 or args.lr_warmup_init < 0:
-        raise ValueError("--lr, --min-lr and --lr-warmup-init must be >= 0")
+    _check_real_ranges(args)
     if args.min_lr > args.lr:
         raise ValueError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
     if args.lr_warmup_init > args.lr:
@@ -655,10 +689,6 @@ def _check_optimization(args: argparse.Namespace) -> None:
             f"--lr-warmup-iters {args.lr_warmup_iters} must be in [0, --lr-decay-iters "
             f"{args.lr_decay_iters})"
         )
-    if args.weight_decay < 0:
-        raise ValueError(f"--weight-decay must be >= 0, got {args.weight_decay}")
-    if args.clip_grad < 0:
-        raise ValueError(f"--clip-grad must be >= 0, got {args.clip_grad}")
 
 
 def _check_data(args: argparse.Namespace) -> None:
@@ -714,20 +744,41 @@ def _check_checkpointing(args: argparse.Namespace) -> None:
         )
     if args.finetune and args.load is None:
         raise ValueError("--finetune needs --load DIR")
-    for flag, path in (("--save", args.save), ("--load", args.load), ("--save-hf", args.save_hf)):
-        if path is not None and os.path.exists(path) and not os.path.isdir(path):
-            raise ValueError(
-                f"{flag} {path!r} is an existing file, not a checkpoint directory; pass a "
-                "directory (a new one for --save)"
-            )
+    if args.load is not None and os.path.exists(args.load) and not os.path.isdir(args.load):
+        raise ValueError(
+            f"--load {args.load!r} is an existing file, not a checkpoint directory; pass a directory"
+        )
+    for flag, path in (("--save", args.save), ("--save-hf", args.save_hf)):
+        if path is not None:
+            check_writable_dir(flag, path)
+
+
+def check_writable_dir(flag: str, path: str) -> None:
+    """Refuse an output directory that cannot be made or written: an existing file, a file among
+    its parents, or a nearest existing directory that refuses a new entry (tried: a temporary
+    directory is made and removed there, which also catches read-only mounts, also for root).
+
+    Raises:
+        ValueError: naming ``flag``, ``path`` and what is in the way.
+    """
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{flag} {path!r} is an existing file; pass a directory")
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"{flag} {path!r} cannot be made: {existing!r} is a file")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".megatron-odc-write-check-", dir=existing))
+    except OSError as exc:
+        raise ValueError(
+            f"{flag} {path!r} cannot be written: {existing!r} refuses new entries "
+            f"({exc.strerror}); pass a writable directory"
+        ) from exc
 
 
 def _check_metrics(args: argparse.Namespace) -> None:
     """``--tensorboard-dir`` / ``--wandb-*`` (Megatron-LM's names), checked before anything trains."""
-    if args.tensorboard_dir is not None and os.path.isfile(args.tensorboard_dir):
-        raise ValueError(
-            f"--tensorboard-dir {args.tensorboard_dir!r} is an existing file; pass a directory"
-        )
     if args.wandb_project is None:
         for flag, value in (
             ("--wandb-exp-name", args.wandb_exp_name),
@@ -743,4 +794,10 @@ def _check_metrics(args: argparse.Namespace) -> None:
                 "--wandb-project needs --wandb-save-dir DIR, or --save DIR (wandb then writes to "
                 "DIR/wandb)"
             )
+    for flag, path in (
+        ("--tensorboard-dir", args.tensorboard_dir),
+        ("--wandb-save-dir", args.wandb_save_dir),
+    ):
+        if path is not None:
+            check_writable_dir(flag, path)
     require_packages(args)

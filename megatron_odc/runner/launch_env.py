@@ -45,6 +45,24 @@ TORCH_LAUNCH_VARS = (
 """What torch.distributed's ``env://`` rendezvous and the trainer read."""
 
 
+LOCAL_RANK_VARS = ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "PMIX_LOCAL_RANK")
+"""This process's rank on its host, as torchrun, MPICH's hydra, Open MPI and PMIx launchers name it."""
+
+
+def launch_local_rank(environ: Mapping[str, str]) -> int | None:
+    """This process's rank on its host from the launcher's variables (``None``: no launcher says)."""
+    for var in LOCAL_RANK_VARS:
+        value = environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return None
+
+
+def launched(environ: Mapping[str, str]) -> bool:
+    """Whether a launcher (torchrun, an MPI launcher or a script setting ``RANK``) started this process."""
+    return "RANK" in environ or TORCHRUN_VAR in environ or launched_by_mpi(environ)
+
+
 def launched_by_mpi(environ: Mapping[str, str]) -> bool:
     """Whether this process was started by an MPI launcher (and not by torchrun)."""
     return TORCHRUN_VAR not in environ and any(var in environ for var in MPI_RANK_VARS)

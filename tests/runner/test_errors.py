@@ -137,6 +137,51 @@ def test_save_pointing_at_a_file_is_refused_before_training(tmp_path):
     assert str(target) in err.getvalue()
 
 
+LAUNCH_VARS = ("RANK", "LOCAL_RANK", "TORCHELASTIC_RUN_ID", "PMI_RANK", "MPI_LOCALRANKID")
+
+
+@pytest.mark.parametrize("argv", [["--train-iters", "0"], ["--dp-backend", "foo"]])
+def test_a_flag_error_is_printed_by_the_first_rank_of_a_host_only(argv, monkeypatch, capsys):
+    from megatron_odc.train import main
+
+    for var in LAUNCH_VARS:
+        monkeypatch.delenv(var, raising=False)
+    printed = {}
+    for local_rank in ("0", "1"):
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        try:
+            status = main(argv)
+        except SystemExit as exc:  # argparse's own refusal
+            status = exc.code
+        printed[local_rank] = capsys.readouterr()
+        assert status == 2
+    assert printed["0"].err.count(PREFIX) == 1, printed["0"].err
+    assert printed["1"].err == printed["1"].out == "", printed["1"]
+
+
+def test_started_without_a_launcher_is_one_error(monkeypatch, capsys):
+    from megatron_odc.train import main
+
+    for var in LAUNCH_VARS:
+        monkeypatch.delenv(var, raising=False)
+    assert main([]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{PREFIX}started without a launcher"), err
+    assert "torchrun --nproc-per-node" in err
+
+
+def test_ctrl_c_is_one_line_and_the_shell_status(monkeypatch, capsys):
+    from megatron_odc import train
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(train, "run", interrupted)
+    assert train.main([]) == train.EXIT_INTERRUPTED == 130
+    assert capsys.readouterr().err == "python -m megatron_odc.train: interrupted\n"
+
+
 # Task 1: no silent NaN #
 
 

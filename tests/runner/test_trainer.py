@@ -69,6 +69,15 @@ BAD_FLAGS = [
     (["--sft"], "--sft"),
     (["--data-path", "/nonexistent/prefix", "--max-tokens-per-microbatch", "64"], "--data-path"),
     (["--min-lr", "1.0"], "--min-lr"),
+    (["--lr", "nan"], "--lr must be a finite number >= 0, got nan"),
+    (["--init-method-std", "-1"], "--init-method-std must be a finite number >= 0"),
+    (["--adam-beta1", "1.5"], "--adam-beta1 must be a finite number in [0, 1)"),
+    (["--adam-beta2", "-0.1"], "--adam-beta2 must be a finite number in [0, 1)"),
+    (["--adam-eps", "0"], "--adam-eps must be a finite number > 0"),
+    (["--fp16", "--loss-scale", "-4"], "--loss-scale must be a finite number > 0"),
+    (["--clip-grad", "inf"], "--clip-grad must be a finite number >= 0"),
+    (["--save", "/dev/null/ckpt"], "--save '/dev/null/ckpt' cannot be made: '/dev/null' is a file"),
+    (["--tensorboard-dir", "/dev/null"], "--tensorboard-dir '/dev/null' is an existing file"),
     (["--finetune"], "--finetune"),
     (["--fp8-param-gather"], "--fp8-param-gather"),
     (
@@ -88,6 +97,22 @@ def test_bad_flags_are_refused_naming_the_flag(argv, flag):
         pytest.skip("TransformerEngine is installed: the flag is valid here")
     with pytest.raises(ValueError, match=re.escape(flag)):
         _validated(argv)
+
+
+def test_an_output_directory_that_refuses_new_entries_is_refused(tmp_path, monkeypatch):
+    from megatron_odc.runner import arguments
+
+    def read_only(*args, **kwargs):  # as on a read-only mount (root ignores chmod)
+        raise PermissionError(30, "Read-only file system")
+
+    monkeypatch.setattr(arguments.tempfile, "mkdtemp", read_only)
+    for flag in ("--save", "--tensorboard-dir"):
+        target = tmp_path / "new" / "dir"
+        with pytest.raises(ValueError, match=rf"{flag} '{target}' cannot be written: '{tmp_path}'"):
+            _validated([flag, str(target)])
+    monkeypatch.undo()
+    assert _validated(["--save", str(tmp_path / "new" / "dir")]).save  # writable: accepted
+    assert not (tmp_path / "new").exists()  # and nothing was left by the check
 
 
 def test_defaults_are_filled_per_backend():
