@@ -1,4 +1,5 @@
-"""Test-session setup: gpu and slow markers, and a check that no test leaves ODC shared memory behind."""
+"""Test-session setup: gpu and slow markers, a check that no test leaves ODC shared memory behind, and a
+session temporary directory for the launchers the tests start."""
 
 from __future__ import annotations
 
@@ -41,3 +42,17 @@ def _no_shm_left_behind():
     yield
     left = _odc_shm_entries() - before
     assert not left, f"test left shared-memory entries behind: {sorted(left)}"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _launchers_write_their_temporary_files_under_pytest(tmp_path_factory):
+    """torchrun makes a ``torchelastic_*`` log directory in ``$TMPDIR`` per launch and never removes it
+    (about 130 per suite run were left in /tmp): launched processes get a ``TMPDIR`` under pytest's
+    base directory, which pytest rotates."""
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("launchers"))
+    yield
+    if before is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = before
