@@ -32,7 +32,9 @@ def gpt_pretraining_dataset(args: argparse.Namespace, tokenizer: Any) -> Any:
     """The train split of megatron-core's GPTDataset over ``--data-path`` (Megatron indexed data).
 
     Built on every rank (rank 0 first writes the index caches, the others then read them), with as
-    many samples as ``--train-iters`` iterations of ``--global-batch-size`` consume. Reads ``seed``,
+    many samples as ``--train-iters`` iterations of ``--global-batch-size`` consume. With weights
+    (``--data-path W1 P1 W2 P2``) every document of each prefix is train data: ``--split`` applies to
+    unweighted prefixes only. Reads ``seed``,
     ``seq_length``, ``data_path``, ``split``, ``data_cache_path``, ``train_iters`` and
     ``global_batch_size`` from ``args``; ``tokenizer`` has ``vocab_size``, ``eos_id`` and ``pad_id``.
     """
@@ -42,11 +44,17 @@ def gpt_pretraining_dataset(args: argparse.Namespace, tokenizer: Any) -> Any:
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
     from megatron.core.datasets.utils import get_blend_from_list
 
+    blend = get_blend_from_list(args.data_path)
+    # Weighted (--data-path W1 P1 W2 P2 ...): megatron-core sizes every split of a weighted blend,
+    # and a split with no documents then never ends (GPTDataset._get_num_epochs), so the weighted
+    # blend is the train split's alone, every document of each prefix (--split does not apply).
+    weighted = blend[1] is not None
     config = GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,
-        blend=get_blend_from_list(args.data_path),
-        split=args.split,
+        blend=None if weighted else blend,
+        blend_per_split=[blend, None, None] if weighted else None,
+        split=None if weighted else args.split,
         path_to_cache=args.data_cache_path,
         tokenizer=_DatasetTokenizer(tokenizer),
         reset_position_ids=False,

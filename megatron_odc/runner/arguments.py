@@ -304,7 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument(
         "--split",
         default="969,30,1",
-        help="pretraining: train,valid,test weights of the --data-path documents (only train is used)",
+        help="pretraining: train,valid,test weights of the --data-path documents (only train is "
+        "used; with weighted prefixes, --data-path W1 P1 W2 P2, every document is train)",
     )
     data.add_argument(
         "--data-cache-path",

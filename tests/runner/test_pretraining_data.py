@@ -93,3 +93,20 @@ def test_intact_prefixes_build(tmp_path, prefixes):
     dataset = gpt_pretraining_dataset(_args(tmp_path, [prefixes[0]]), ByteTokenizer())
     assert len(dataset) >= 8
     assert dataset[0]["tokens"].shape == (32,)
+
+
+def test_weighted_prefixes_build_the_train_split(tmp_path, prefixes):
+    """``--data-path W1 P1 W2 P2``: megatron-core asserted "size_is_none => weights_are_none" (and a
+    sized split without documents never ended); the weighted blend is now the train split's alone."""
+    good, other = prefixes
+    # megatron-core's blended datasets ask torch.distributed for the rank: a one-process group
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        args = _args(tmp_path, ["1", good, "2", other])
+        dataset = gpt_pretraining_dataset(args, ByteTokenizer())
+    finally:
+        torch.distributed.destroy_process_group()
+    assert len(dataset) >= args.train_iters * args.global_batch_size
+    assert dataset[0]["tokens"].shape == (32,)
