@@ -45,7 +45,10 @@ def export_checkpoint(
         ValueError: no checkpoint in ``load_dir``, or it does not fit the HF config (named).
     """
     argv = ["--load-hf", os.fspath(hf_dir), *(["--bf16"] if bf16 else [])]
-    args = validate_args(build_parser().parse_args(argv), world_size=1)
+    try:
+        args = validate_args(build_parser().parse_args(argv), world_size=1)
+    except ValueError as exc:  # the user passed HF_DIR as --hf-config, not the training flag
+        raise ValueError(str(exc).replace("--load-hf", "--hf-config")) from None
     iteration = checkpoint.latest_iteration(load_dir)
     if iteration is None:
         raise ValueError(f"no checkpoint in {load_dir}: {checkpoint.TRACKER_FILENAME} is missing")

@@ -84,3 +84,17 @@ def test_export_without_a_checkpoint_fails_naming_the_directory(tmp_path, capsys
     assert status == 2
     assert f"no checkpoint in {missing}" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_export_names_its_own_flag_for_a_bad_hf_config(tmp_path, capsys):
+    missing = tmp_path / "no-such-model"
+    assert (
+        hf_main(
+            ["export", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--hf-config", str(missing)]
+        )
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert f"--hf-config '{missing}' is not a directory" in err, err
+    assert "--load-hf" not in err, err  # the training flag, which the user did not pass
