@@ -8,6 +8,7 @@ import pytest
 
 from megatron_odc.balance import CostModel
 from megatron_odc.tools.balance_cli import ROWS, compare_plans, format_table, main
+from tests.tools._cli import cli_error
 
 
 def test_compare_plans_reports_every_row_and_its_config() -> None:
@@ -55,22 +56,12 @@ def test_every_row_covers_the_same_minibatches_with_oversize_samples() -> None:
     assert max(means.values()) == pytest.approx(min(means.values()), rel=1e-12)
 
 
-def _cli_error(capsys, argv: list[str]) -> str:
-    """The one ``error:`` line of a refused command line (exit code 2, no traceback)."""
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    return err.strip().splitlines()[-1]
-
-
 def test_cli_errors_name_the_flag_the_file_and_the_line(tmp_path, capsys) -> None:
     lengths = tmp_path / "lengths.txt"
     lengths.write_text("100\n200\n\n9000\n300\n")
     run = ["--lengths", str(lengths), "--dp", "2", "--minibatch", "2", "--num-minibatches", "1"]
     # A sample over the cap: the CLI flags, not make_plan's keyword, and the sample's item.
-    line = _cli_error(capsys, [*run, "--cap", "1000", "--seed", "0"])
+    line = cli_error(capsys, main, [*run, "--cap", "1000", "--seed", "0"])
     assert f"error: {lengths}: item " in line
     assert "has length 9000 > --cap 1000; pass --too-long truncate or --too-long alone" in line
     assert "too_long=" not in line
@@ -79,19 +70,19 @@ def test_cli_errors_name_the_flag_the_file_and_the_line(tmp_path, capsys) -> Non
     # Non-finite or negative cost coefficients are refused at parse time, naming the flag.
     for flag, value in (("--cost-a", "nan"), ("--cost-b", "-1"), ("--cost-a", "inf")):
         others = {"--cost-a": "1", "--cost-b": "1", flag: value}
-        line = _cli_error(capsys, [*run, *(x for kv in others.items() for x in kv)])
+        line = cli_error(capsys, main, [*run, *(x for kv in others.items() for x in kv)])
         assert line.endswith(f"error: argument {flag}: must be a finite number >= 0, got '{value}'")
     # Unparsable JSON: the file and the line.
     broken = tmp_path / "len.json"
     broken.write_text("[1,2,\n")
-    line = _cli_error(capsys, ["--lengths", str(broken), "--dp", "1", "--minibatch", "1"])
+    line = cli_error(capsys, main, ["--lengths", str(broken), "--dp", "1", "--minibatch", "1"])
     assert line.endswith(
         f"error: {broken}:2: not valid JSON (Expecting value, line 2 column 1); "
         "expected a JSON list of lengths, or one integer per line"
     )
     # A negative length: the file, its line and the value.
     lengths.write_text("100\n\n-3\n")
-    line = _cli_error(capsys, ["--lengths", str(lengths), "--dp", "1", "--minibatch", "1"])
+    line = cli_error(capsys, main, ["--lengths", str(lengths), "--dp", "1", "--minibatch", "1"])
     assert line.endswith(
         f"error: {lengths}:3: length -3 is not allowed; lengths must be non-negative integers"
     )

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from megatron_odc.tools.simulate import main
+from tests.tools._cli import cli_error
 
 
 def test_cli_json_on_a_lengths_file(tmp_path, capsys) -> None:
@@ -78,16 +79,6 @@ def test_cli_pipeline_stages_and_hybrid_rows(tmp_path, capsys) -> None:
         main([*common, "--pipeline-stages", "0"])
 
 
-def _cli_error(capsys, argv: list[str]) -> str:
-    """The one ``error:`` line of a refused command line (exit code 2, no traceback)."""
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    return err.strip().splitlines()[-1]
-
-
 def test_cli_refuses_bad_model_and_hardware_flags_naming_them(tmp_path, capsys) -> None:
     path = tmp_path / "lengths.txt"
     path.write_text("\n".join(str(n) for n in [1000, 200, 3000, 50] * 2))
@@ -105,10 +96,10 @@ def test_cli_refuses_bad_model_and_hardware_flags_naming_them(tmp_path, capsys) 
         ("--cost-b", "-1", "a finite number >= 0"),
     ):
         argv = [*explicit, "--num-layers", "2", "--layer-param-nbytes", "1", flag, value]
-        line = _cli_error(capsys, argv)
+        line = cli_error(capsys, main, argv)
         assert line.endswith(f"error: argument {flag}: must be {bound}, got '{value}'")
     # The layer flags complete an explicit model; with the preset they would be ignored.
-    line = _cli_error(capsys, [*run, "--num-layers", "3"])
+    line = cli_error(capsys, main, [*run, "--num-layers", "3"])
     assert line.endswith(
         "error: --num-layers is only used with --cost-a and --cost-b (an explicit model, with "
         "--num-layers and --layer-param-nbytes); add those, or drop it to use the --model preset"
@@ -120,23 +111,23 @@ def test_cli_refuses_bad_model_and_hardware_flags_naming_them(tmp_path, capsys) 
 def test_cli_names_a_bad_benchmark_file(tmp_path, capsys) -> None:
     bench = tmp_path / "bench.json"
     bench.write_text("{}\n{}\n")
-    line = _cli_error(capsys, ["--benchmark-json", str(bench)])
+    line = cli_error(capsys, main, ["--benchmark-json", str(bench)])
     assert line.endswith(
         f"error: {bench}:2: not valid JSON (Extra data, line 2 column 1); "
         "pass a benchmarks/imbalance.py --out file"
     )
     bench.write_text("{}")
-    assert f"error: {bench}: no top-level ['meta', 'results', 'rows']" in _cli_error(
-        capsys, ["--benchmark-json", str(bench)]
+    assert f"error: {bench}: no top-level ['meta', 'results', 'rows']" in cli_error(
+        capsys, main, ["--benchmark-json", str(bench)]
     )
     bench.write_text(json.dumps({"meta": {}, "results": [], "rows": []}))
-    assert f"error: {bench}: no key 'settings'" in _cli_error(
-        capsys, ["--benchmark-json", str(bench)]
+    assert f"error: {bench}: no key 'settings'" in cli_error(
+        capsys, main, ["--benchmark-json", str(bench)]
     )
     missing = tmp_path / "missing.json"
-    assert f"error: benchmark file {missing}: No such file or directory" in _cli_error(
-        capsys, ["--benchmark-json", str(missing)]
+    assert f"error: benchmark file {missing}: No such file or directory" in cli_error(
+        capsys, main, ["--benchmark-json", str(missing)]
     )
-    assert "--layer-grad-nbytes is only used with --cost-a and --cost-b" in _cli_error(
-        capsys, ["--benchmark-json", str(bench), "--layer-grad-nbytes", "4"]
+    assert "--layer-grad-nbytes is only used with --cost-a and --cost-b" in cli_error(
+        capsys, main, ["--benchmark-json", str(bench), "--layer-grad-nbytes", "4"]
     )
