@@ -24,15 +24,37 @@ HANDLER_NAME = "megatron_odc.train"
 """The name of the stdout handler this module installs on the ``megatron_odc`` logger."""
 
 
+RANK_LOCAL_LOGGERS = (
+    "megatron_odc.transport",
+    "megatron_odc.mcore.dist_ckpt.writer_processes",
+    "megatron_odc.runner.health",
+)
+"""Loggers whose warnings are about the rank that logs them (its shared memory, its CUDA device, its
+writer processes, its watchdog): every rank prints those. Every other warning of ``megatron_odc`` is
+about the job (its data, flags, checkpoint, loss), which every rank finds alike: rank 0 alone prints it."""
+
+
+def _rank_local_or_error(record: logging.LogRecord) -> bool:
+    """The filter of ranks other than 0: errors, and warnings of :data:`RANK_LOCAL_LOGGERS`."""
+    return record.levelno >= logging.ERROR or any(
+        record.name == name or record.name.startswith(name + ".") for name in RANK_LOCAL_LOGGERS
+    )
+
+
 def setup_logging(rank: int) -> None:
-    """Rank 0 logs INFO from ``megatron_odc`` to stdout; other ranks only warnings."""
+    """Rank 0 logs INFO from ``megatron_odc`` to stdout; other ranks only errors and the warnings
+    about themselves (:data:`RANK_LOCAL_LOGGERS`), so a warning about the job is printed once."""
     package = logging.getLogger("megatron_odc")
-    if not any(h.name == HANDLER_NAME for h in package.handlers):
+    handler = next((h for h in package.handlers if h.name == HANDLER_NAME), None)
+    if handler is None:
         handler = logging.StreamHandler(sys.stdout)
         handler.name = HANDLER_NAME
         handler.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", "%Y-%m-%d %H:%M:%S"))
         package.addHandler(handler)
         package.propagate = False
+    handler.removeFilter(_rank_local_or_error)
+    if rank != 0:
+        handler.addFilter(_rank_local_or_error)
     package.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     # The training log line carries the ODC telemetry; the wrapper's own line would repeat it.
     logging.getLogger("megatron_odc.mcore.data_parallel").setLevel(logging.WARNING)

@@ -205,6 +205,9 @@ def test_some_truncated_samples_are_a_warning(tmp_path):
     assert [r[0] for r in results] == [0, 0], results
     assert results[0][1].count("2 of 8 samples lose every response token") == 1, results[0][1]
     assert "lose every response token" not in results[1][1] + results[1][2]
+    # The dataset's own warning, found alike by every rank, is printed once per job too.
+    assert results[0][1].count("2 of 8 samples truncated to max_length=64") == 1, results[0][1]
+    assert "truncated" not in results[1][1] + results[1][2], results[1][1]
 
 
 def _scale_reported_losses_at_iteration_2(rank: int, scale: list[float], ranks: tuple[int, ...]):
