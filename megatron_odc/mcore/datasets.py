@@ -34,7 +34,7 @@ def gpt_pretraining_dataset(args: argparse.Namespace, tokenizer: Any) -> Any:
     Built on every rank (rank 0 first writes the index caches, the others then read them), with as
     many samples as ``--train-iters`` iterations of ``--global-batch-size`` consume. With weights
     (``--data-path W1 P1 W2 P2``) every document of each prefix is train data: ``--split`` applies to
-    unweighted prefixes only. Reads ``seed``,
+    unweighted prefixes only, whose train share alone is built. Reads ``seed``,
     ``seq_length``, ``data_path``, ``split``, ``data_cache_path``, ``train_iters`` and
     ``global_batch_size`` from ``args``; ``tokenizer`` has ``vocab_size``, ``eos_id`` and ``pad_id``.
     """
@@ -62,6 +62,11 @@ def gpt_pretraining_dataset(args: argparse.Namespace, tokenizer: Any) -> Any:
         eod_mask_loss=False,
         create_attention_mask=True,
     )
+    if not weighted:
+        # Only the train split is used. Building the others too failed on small unweighted prefixes:
+        # a prefix without a document in a valid / test split gave that split's blend a weight of 0,
+        # which megatron-core's BlendedDataset refuses. The train split's document range is the same.
+        config.split_matrix = [config.split_matrix[0], None, None]
     num_samples = args.train_iters * args.global_batch_size
     train_ds, _, _ = BlendedMegatronDatasetBuilder(
         GPTDataset, [num_samples, None, None], lambda: True, config

@@ -99,10 +99,7 @@ def test_weighted_prefixes_build_the_train_split(tmp_path, prefixes):
     """``--data-path W1 P1 W2 P2``: megatron-core asserted "size_is_none => weights_are_none" (and a
     sized split without documents never ended); the weighted blend is now the train split's alone."""
     good, other = prefixes
-    # megatron-core's blended datasets ask torch.distributed for the rank: a one-process group
-    torch.distributed.init_process_group(
-        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
-    )
+    _one_process_group(tmp_path)
     try:
         args = _args(tmp_path, ["1", good, "2", other])
         dataset = gpt_pretraining_dataset(args, ByteTokenizer())
@@ -110,3 +107,67 @@ def test_weighted_prefixes_build_the_train_split(tmp_path, prefixes):
         torch.distributed.destroy_process_group()
     assert len(dataset) >= args.train_iters * args.global_batch_size
     assert dataset[0]["tokens"].shape == (32,)
+
+
+def _one_process_group(tmp_path):
+    """megatron-core's blended datasets ask torch.distributed for the rank: a one-process group."""
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+
+
+def test_small_unweighted_prefixes_build_the_train_split(tmp_path):
+    """``--data-path P1 P2`` with the default ``--split 969,30,1``: a prefix with no document in the
+    valid split made megatron-core's valid blend weigh it 0, and ``BlendedDataset`` refused that
+    (weights must be > 0), although only the train split is used; only the train split is built now."""
+    big, small = str(tmp_path / "big"), str(tmp_path / "small")
+    _write(big, num_docs=40)
+    _write(small, num_docs=3)
+    _one_process_group(tmp_path)
+    try:
+        args = _args(tmp_path, [big, small])
+        args.split = "969,30,1"
+        dataset = gpt_pretraining_dataset(args, ByteTokenizer())
+        samples = [dataset[i]["tokens"] for i in range(len(dataset))]
+    finally:
+        torch.distributed.destroy_process_group()
+    assert len(samples) >= args.train_iters * args.global_batch_size
+    assert not list((tmp_path / "cache").rglob("*valid*")), "a valid split was built"
+
+
+def test_the_train_split_is_megatron_cores(tmp_path):
+    """The train split built alone holds the same samples as megatron-core's train split of the same
+    ``--split`` built beside valid and test (a resumed run keeps its data)."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    from megatron_odc.mcore.datasets import _DatasetTokenizer
+
+    prefix = str(tmp_path / "data")
+    _write(prefix, num_docs=60)
+    args = _args(tmp_path, [prefix])
+    args.split = "80,15,5"
+    ours = gpt_pretraining_dataset(args, ByteTokenizer())
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=([prefix], None),
+        split=args.split,
+        path_to_cache=str(tmp_path / "reference_cache"),
+        tokenizer=_DatasetTokenizer(ByteTokenizer()),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=True,
+    )
+    num_samples = args.train_iters * args.global_batch_size
+    reference, valid, _ = BlendedMegatronDatasetBuilder(
+        GPTDataset, [num_samples, None, None], lambda: True, config
+    ).build()
+    assert valid is not None
+    assert len(valid) > 0
+    assert len(ours) == len(reference)
+    for i in range(len(ours)):
+        assert torch.equal(ours[i]["tokens"], reference[i]["tokens"]), i
