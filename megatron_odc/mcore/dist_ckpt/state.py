@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedTensor
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -202,25 +203,35 @@ def _renamed_keys(x: Any, old_prefix: str, new_prefix: str) -> Any:
 
 
 def _check_fits(sharded: dict[str, Any], checkpoint_dir: Path, what: str) -> None:
-    """Raise ValueError naming the first tensor missing from the checkpoint or of another shape."""
+    """Raise ValueError naming the first tensor, by key over every rank, missing from the checkpoint
+    or of another shape (collective where a process group is up: ranks hold different tensors, and
+    each naming its own first misfit printed one line per rank)."""
     saved = dist_checkpointing.load_tensors_metadata(str(checkpoint_dir))
-    seen = set()
+    entries: dict[str, ShardedTensor] = {}
     for entry in _nested_values(sharded):
-        if not isinstance(entry, ShardedTensor) or entry.key in seen:
-            continue
-        seen.add(entry.key)
-        ref = saved.get(entry.key)
+        if isinstance(entry, ShardedTensor):
+            entries.setdefault(entry.key, entry)
+    misfit: tuple[str, str] | None = None
+    for key in sorted(entries):
+        entry, ref = entries[key], saved.get(key)
         if ref is None:
-            raise ValueError(
-                f"checkpoint {checkpoint_dir} does not fit the {what}: tensor {entry.key!r} is missing "
-                "from the checkpoint"
+            misfit = (key, f"tensor {key!r} is missing from the checkpoint")
+        elif (
+            tuple(ref.global_shape) != tuple(entry.global_shape) and not entry.allow_shape_mismatch
+        ):
+            misfit = (
+                key,
+                f"tensor {key!r} has shape {tuple(ref.global_shape)} in the checkpoint, "
+                f"{tuple(entry.global_shape)} in the model",
             )
-        if tuple(ref.global_shape) != tuple(entry.global_shape) and not entry.allow_shape_mismatch:
-            raise ValueError(
-                f"checkpoint {checkpoint_dir} does not fit the {what}: tensor {entry.key!r} has "
-                f"shape {tuple(ref.global_shape)} in the checkpoint, {tuple(entry.global_shape)} in "
-                "the model"
-            )
+        if misfit is not None:
+            break
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        misfits: list[tuple[str, str] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(misfits, misfit)
+        misfit = min((m for m in misfits if m is not None), default=None)
+    if misfit is not None:
+        raise ValueError(f"checkpoint {checkpoint_dir} does not fit the {what}: {misfit[1]}")
 
 
 def _nested_values(x: Any) -> Iterator[Any]:
