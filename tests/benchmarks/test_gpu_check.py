@@ -1,4 +1,5 @@
-"""``benchmarks/gpu_check.py`` on CPU: the dry run, a whole rehearsal of its checks, and its judgements.
+"""``benchmarks/gpu_check.py`` on CPU: the dry run, a whole rehearsal of its checks, and its judgements
+(``benchmarks/gpu_check_lib/checks.py``).
 
 The GPU check runs only when a GPU is lent, with minutes to spare; these tests make sure the harness itself
 is right before then. The rehearsal (``--cpu-rehearsal``) runs every check's rank bodies and comparisons
@@ -9,7 +10,6 @@ results and show that a result outside its target fails the check and the script
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -20,17 +20,12 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import gpu_check
+from benchmarks.gpu_check_lib import checks, world
 from tests._dist import SHM_ROOT_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "gpu_check.py"
-
-
-def _load_gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_gpu_check_dry_run() -> None:
@@ -116,17 +111,16 @@ def test_cpu_rehearsal_runs_every_check_and_passes(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def gpu_check():
-    module = _load_gpu_check()
-    module._REHEARSAL = False  # judge as on the GPU
-    return module
+def on_gpu(monkeypatch) -> None:
+    """Judge as on the GPU; ``main --cpu-rehearsal`` switches the rehearsal on, undone after the test."""
+    monkeypatch.setattr(world, "_REHEARSAL", False)
 
 
-def _args(module, *argv: str):
-    return module._parse(list(argv))
+def _args(*argv: str):
+    return gpu_check._parse(list(argv))
 
 
-def test_bandwidth_targets_are_judged(gpu_check, monkeypatch) -> None:
+def test_bandwidth_targets_are_judged(on_gpu, monkeypatch) -> None:
     def measured(get_vs_copy: float, acc_vs_add: float) -> dict:
         return {
             "copy_gbps": 100.0,
@@ -139,16 +133,16 @@ def test_bandwidth_targets_are_judged(gpu_check, monkeypatch) -> None:
             "acc_det_vs_add": 0.2,
         }
 
-    args = _args(gpu_check)
+    args = _args()
     for (get, acc), expected in {(0.9, 0.6): True, (0.7, 0.6): False, (0.9, 0.4): False}.items():
         res = measured(get, acc)
-        monkeypatch.setattr(gpu_check, "run_world", lambda *a, _r=res, **k: [_r, {}])
-        ok, detail, _ = gpu_check._check_bandwidth(args)
+        monkeypatch.setattr(checks, "run_world", lambda *a, _r=res, **k: [_r, {}])
+        ok, detail, _ = checks._check_bandwidth(args)
         assert ok is expected, (get, acc, detail)
         assert f"({get:.2f}x)" in detail
 
 
-def test_parity_tolerances_are_judged(gpu_check, monkeypatch) -> None:
+def test_parity_tolerances_are_judged(on_gpu, monkeypatch) -> None:
     def result(odc_loss: float, param_err: float, bitwise: bool, fused: tuple) -> dict:
         return {
             "ddp_losses": [5.0, 4.0, 3.0],
@@ -161,7 +155,7 @@ def test_parity_tolerances_are_judged(gpu_check, monkeypatch) -> None:
             "fused_model_rel_err": fused[1],
         }
 
-    args = _args(gpu_check)
+    args = _args()
     good = (3.0, 1e-4)
     cases = {
         (3.03, 1e-3, True, good): True,
@@ -173,52 +167,52 @@ def test_parity_tolerances_are_judged(gpu_check, monkeypatch) -> None:
     }
     for (loss, err, bitwise, fused), expected in cases.items():
         res = result(loss, err, bitwise, fused)
-        monkeypatch.setattr(gpu_check, "run_world", lambda *a, _r=res, **k: [_r, _r])
-        ok, detail, _ = gpu_check._check_parity(args)
+        monkeypatch.setattr(checks, "run_world", lambda *a, _r=res, **k: [_r, _r])
+        ok, detail, _ = checks._check_parity(args)
         assert ok is expected, (loss, err, bitwise, fused, detail)
 
 
-def test_correctness_failures_are_reported_per_rank(gpu_check, monkeypatch) -> None:
+def test_correctness_failures_are_reported_per_rank(on_gpu, monkeypatch) -> None:
     clean = {m: {"failures": [], "max_abs_err": 1e-7} for m in ("atomic", "deterministic")}
     broken = {**clean, "atomic": {"failures": ["atomic: lost 3 element(s)"], "max_abs_err": 2.0}}
-    monkeypatch.setattr(gpu_check, "run_world", lambda *a, **k: [clean, broken])
-    ok, detail, _ = gpu_check._check_correctness(_args(gpu_check), 2)
+    monkeypatch.setattr(checks, "run_world", lambda *a, **k: [clean, broken])
+    ok, detail, _ = checks._check_correctness(_args(), 2)
     assert not ok
     assert "rank 1: atomic: lost 3 element(s)" in detail
-    monkeypatch.setattr(gpu_check, "run_world", lambda *a, **k: [clean, clean])
-    assert gpu_check._check_correctness(_args(gpu_check), 2)[0]
+    monkeypatch.setattr(checks, "run_world", lambda *a, **k: [clean, clean])
+    assert checks._check_correctness(_args(), 2)[0]
 
 
-def test_nvshmem_is_skipped_with_the_reason_or_judged_per_rank(gpu_check, monkeypatch) -> None:
+def test_nvshmem_is_skipped_with_the_reason_or_judged_per_rank(on_gpu, monkeypatch) -> None:
     import megatron_odc.transport.nvshmem as nvshmem
 
     monkeypatch.setattr(nvshmem, "nvshmem_unavailable_reason", lambda: "PyTorch 9.9 lacks it")
-    ok, detail, extra = gpu_check._check_nvshmem(_args(gpu_check))
+    ok, detail, extra = checks._check_nvshmem(_args())
     assert (ok, extra) == (True, {"skipped": True})
     assert detail == "NVSHMEM unavailable: PyTorch 9.9 lacks it"
     monkeypatch.setattr(nvshmem, "nvshmem_unavailable_reason", lambda: None)
     monkeypatch.setattr(nvshmem, "load_device_ops", lambda: None)
     clean = {m: {"failures": [], "max_abs_err": 1e-7, "remote": []} for m in ("all", "auto")}
     broken = {**clean, "all": {**clean["all"], "failures": ["nvshmem all: lost 2 element(s)"]}}
-    monkeypatch.setattr(gpu_check, "run_world", lambda *a, **k: [clean, broken])
-    ok, detail, _ = gpu_check._check_nvshmem(_args(gpu_check))
+    monkeypatch.setattr(checks, "run_world", lambda *a, **k: [clean, broken])
+    ok, detail, _ = checks._check_nvshmem(_args())
     assert not ok
     assert "rank 1: nvshmem all: lost 2 element(s)" in detail
-    monkeypatch.setattr(gpu_check, "run_world", lambda *a, **k: [clean, clean])
-    assert gpu_check._check_nvshmem(_args(gpu_check))[0]
+    monkeypatch.setattr(checks, "run_world", lambda *a, **k: [clean, clean])
+    assert checks._check_nvshmem(_args())[0]
 
 
-def test_a_failing_or_raising_check_fails_the_run(gpu_check, monkeypatch, tmp_path, capsys) -> None:
+def test_a_failing_or_raising_check_fails_the_run(on_gpu, monkeypatch, tmp_path, capsys) -> None:
     def raises(args):
         raise RuntimeError("rank 1 hung (killed after 150 s)")
 
-    checks = {
+    stubs = {
         "good": lambda args: (True, "fine", {"x": 1}),
         "absent": lambda args: (True, "TransformerEngine not importable here", {"skipped": True}),
         "bad": lambda args: (False, "param rel err 0.5", {}),
         "raises": raises,
     }
-    monkeypatch.setattr(gpu_check, "CHECKS", checks)
+    monkeypatch.setattr(gpu_check, "CHECKS", stubs)
     out = tmp_path / "numbers.json"
     assert gpu_check.main(["--cpu-rehearsal", "--json", str(out)]) == 1
     table = capsys.readouterr().out
@@ -227,9 +221,9 @@ def test_a_failing_or_raising_check_fails_the_run(gpu_check, monkeypatch, tmp_pa
     assert "bad     FAIL    param rel err 0.5" in table
     assert "raises  FAIL    RuntimeError: rank 1 hung" in table
     numbers = json.loads(out.read_text())
-    assert [numbers[name]["ok"] for name in checks] == [True, True, False, False]
+    assert [numbers[name]["ok"] for name in stubs] == [True, True, False, False]
     # A SKIP (a missing optional library) does not fail the run; a check left out for time does.
-    monkeypatch.setattr(gpu_check, "CHECKS", {k: checks[k] for k in ("good", "absent")})
+    monkeypatch.setattr(gpu_check, "CHECKS", {k: stubs[k] for k in ("good", "absent")})
     assert gpu_check.main(["--cpu-rehearsal"]) == 0
     assert gpu_check.main(["--cpu-rehearsal", "--budget-s", "-1"]) == 1
     assert "NOT RUN" in capsys.readouterr().out
