@@ -2,7 +2,7 @@
 the deterministic owner reduce, kernel choice, and the error paths (no CUDA, no Triton, bad dtype).
 
 Layer 1 of the testing layers (no process group, no GPU). The kernels and the symmetric-memory calls
-themselves run only in ``benchmarks/gpu_check.py`` on a GPU (its dry run and CPU rehearsal: ``tests/test_gpu_check.py``).
+themselves run only in ``benchmarks/gpu_check.py`` on a GPU (its dry run and CPU rehearsal: ``tests/benchmarks/test_gpu_check.py``).
 """
 
 from __future__ import annotations
