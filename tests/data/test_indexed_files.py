@@ -6,9 +6,7 @@ reads past the end of a short ``.bin`` only at the first sample it reaches, nami
 
 from __future__ import annotations
 
-import gc
 import os
-import sys
 
 import pytest
 
@@ -16,6 +14,7 @@ from megatron_odc.data import ByteTokenizer, make_synthetic_sft
 from megatron_odc.data.indexed_files import check_indexed_dataset
 from megatron_odc.data.indexed_sft import IndexedSFTDataset
 from megatron_odc.data.preprocess import preprocess
+from tests._refusal import one_line_refusal
 
 
 @pytest.fixture
@@ -29,18 +28,10 @@ def prefix(tmp_path) -> str:
 
 def _open_refused(prefix: str, monkeypatch) -> str:
     """The one-line ValueError opening ``prefix`` gives; fails on anything megatron-core leaves behind."""
-    unraisable = []
-    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
-    try:
-        IndexedSFTDataset(prefix, ByteTokenizer())
-    except ValueError as exc:
-        message = str(exc)
-    else:
-        pytest.fail(f"{prefix} opened")
-    gc.collect()  # the traceback is gone: a half-built megatron-core object would complain now
-    assert not unraisable, [u.exc_value for u in unraisable]
+    message = one_line_refusal(
+        lambda: IndexedSFTDataset(prefix, ByteTokenizer()), prefix, monkeypatch
+    )
     assert message.startswith(f"--data-path {prefix}: "), message
-    assert "\n" not in message
     return message
 
 

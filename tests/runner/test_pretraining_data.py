@@ -6,10 +6,8 @@ file: ``data/indexed_files.py``); intact ones build megatron-core's GPTDataset (
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import random
-import sys
 
 import numpy as np
 import pytest
@@ -18,6 +16,7 @@ import torch
 from megatron_odc.data import ByteTokenizer
 from megatron_odc.mcore.datasets import gpt_pretraining_dataset
 from megatron_odc.runner.arguments import build_parser, validate_args
+from tests._refusal import one_line_refusal
 
 
 def _write(prefix: str, num_docs: int = 30) -> None:
@@ -52,18 +51,11 @@ def prefixes(tmp_path) -> tuple[str, str]:
 
 
 def _refused(tmp_path, data_path: list[str], monkeypatch) -> str:
-    unraisable = []
-    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
-    try:
-        validate_args(build_parser().parse_args(["--data-path", *data_path]), world_size=2)
-    except ValueError as exc:
-        message = str(exc)
-    else:
-        pytest.fail(f"{data_path} accepted")
-    gc.collect()  # the traceback is gone: a half-built megatron-core object would complain now
-    assert not unraisable, [u.exc_value for u in unraisable]
-    assert "\n" not in message
-    return message
+    return one_line_refusal(
+        lambda: validate_args(build_parser().parse_args(["--data-path", *data_path]), world_size=2),
+        str(data_path),
+        monkeypatch,
+    )
 
 
 def test_an_index_that_is_not_one_is_refused_by_name(tmp_path, prefixes, monkeypatch):
