@@ -19,6 +19,8 @@ configuration                   what runs
                                 microbatch
 ``fsdp2-noreshard+lb_micro``    the same with ``reshard_after_forward=False`` and no reshard after
                                 backward until the last microbatch (each unit all-gathered once per minibatch)
+``odc-loop+lb_mini``            ``odc+lb_mini`` with its optimizer on torch's per-tensor Adam loop, the kernel
+                                before the fused one (only when ``--configs`` names it)
 ==============================  =======================================================================
 
 The FSDP2 rows are the same GPT (same seed) in fp32, rounded to bf16 when ``--dtype bf16`` (the initial
@@ -101,6 +103,7 @@ from benchmarks.imbalance_lib.host import (  # noqa: E402
 )
 from benchmarks.imbalance_lib.report import (  # noqa: E402
     format_rows,
+    format_shares,
     paired_bound,
     paired_ratio,
     summarize,
@@ -111,6 +114,7 @@ from benchmarks.imbalance_lib.settings import (  # noqa: E402
     CPU_COST,
     DEFAULT_LENGTH_SCALE,
     DTYPES,
+    EXTRA_CONFIGS,
     FULL,
     MODEL,
     PAPER_CAP_TOKENS,
@@ -153,9 +157,10 @@ def _parse_configs(text: str) -> list[tuple[str, str]]:
     configs = []
     for item in text.split(","):
         backend, _, plan = item.partition("+")
-        if (backend, plan) not in CONFIGS:
+        if (backend, plan) not in CONFIGS + EXTRA_CONFIGS:
             raise ValueError(
-                f"--configs entry {item!r} is not one of {[config_name(*c) for c in CONFIGS]}"
+                f"--configs entry {item!r} is not one of "
+                f"{[config_name(*c) for c in CONFIGS + EXTRA_CONFIGS]}"
             )
         configs.append((backend, plan))
     return configs
@@ -222,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for row in rows:
             sys.stdout.write(json.dumps({k: v for k, v in row.items() if k != "step_s"}) + "\n")
     else:
-        sys.stdout.write(format_rows(rows))
+        sys.stdout.write(format_rows(rows) + "\n" + format_shares(rows))
     for row in rows:
         if args.quick and row["config"] == "odc+lb_mini" and "speedup_vs_baseline_median" in row:
             cell = next(

@@ -44,6 +44,9 @@ def summarize(payload: dict) -> list[dict]:
                     statistics.median(r[rank]["num_microbatches"] for r in repeats)
                     for rank in range(WORLD_SIZE)
                 ],
+                "event_share_per_rank": [
+                    event_shares([r[rank] for r in repeats]) for rank in range(WORLD_SIZE)
+                ],
                 "plan_bubble": statistics.mean(
                     r[0][
                         "plan_bubble_lockstep"
@@ -81,6 +84,54 @@ def summarize(payload: dict) -> list[dict]:
             row["memory_per_rank"] = mem
             rows.append(row)
     return rows
+
+
+EVENT_KINDS = ("fetch_wait", "push", "fence", "allreduce", "optimizer")
+"""The timed events of a step (``probes.py``, ``fsdp2.py``): fetch waits (FSDP2: all-gathers), pushes
+(FSDP2: gradient reductions), ODC's fence, DDP's all-reduce, the optimizer step."""
+
+
+def event_shares(records: Sequence[dict]) -> dict[str, float]:
+    """Median over one rank's repeats of each event kind's share of its step; overlapping events of
+    one kind (nested calls) count once. Kinds the backend never records are left out."""
+    kinds = [k for k in EVENT_KINDS if any(e[0] == k for r in records for e in r["events"])]
+    shares = {}
+    for kind in kinds:
+        per_repeat = []
+        for record in records:
+            covered, reach = 0.0, -math.inf
+            for start, end in sorted((s, e) for name, s, e in record["events"] if name == kind):
+                covered += max(0.0, end - max(start, reach))
+                reach = max(reach, end)
+            per_repeat.append(covered / record["wall_s"])
+        shares[kind] = statistics.median(per_repeat)
+    return shares
+
+
+def format_shares(rows: list[dict]) -> str:
+    """Where each configuration's step goes: :func:`event_shares` per rank, the rest compute."""
+    lines = [
+        f"{'profile':<10}{'mb':>3} {'config':<27}"
+        + "".join(f"{k:>16}" for k in EVENT_KINDS)
+        + f"{'rest':>16}"
+    ]
+    for row in rows:
+        shares = row["event_share_per_rank"]
+        cells = [
+            "/".join(f"{100 * s[k]:.1f}" for s in shares) if k in shares[0] else ""
+            for k in EVENT_KINDS
+        ]
+        rest = "/".join(f"{100 * (1 - sum(s.values())):.1f}" for s in shares)
+        lines.append(
+            f"{row['profile']:<10}{row['minibatch_per_rank']:>3} {row['config']:<27}"
+            + "".join(f"{c:>16}" for c in cells)
+            + f"{rest:>16}"
+        )
+    lines.append(
+        "% of the step per rank (r0/r1), median over repeats; fsdp2*: fetch_wait = all-gathers, "
+        "push = gradient reductions; rest = compute and framework"
+    )
+    return "\n".join(lines) + "\n"
 
 
 def paired_ratio(steps: dict, numerator: str, denominator: str) -> float | None:

@@ -20,6 +20,8 @@ CONFIGS = (
     ("fsdp2", "lb_micro"),
     ("fsdp2-noreshard", "lb_micro"),
 )
+EXTRA_CONFIGS = (("odc-loop", "lb_mini"),)
+"""Configurations ``--configs`` accepts that the default list leaves out."""
 BASELINE = "fsdp+lb_micro"
 FSDP2_BACKENDS = {"fsdp2": True, "fsdp2-noreshard": False}
 """PyTorch FSDP2 backends and their ``reshard_after_forward``."""
@@ -30,6 +32,10 @@ OPTIMIZER = {"lr": 1e-4, "weight_decay": 0.01, "clip_grad": 1.0}
 ODC_VARIANTS = {"odc-all": {"unsharded_budget": "all"}}
 """Benchmark backends that are ``odc`` with other ODCConfig options (``--odc-unsharded-budget all``:
 every unit fetched once and pushed once per minibatch)."""
+PER_TENSOR_OPTIMIZER_BACKENDS = ("odc-loop",)
+"""Benchmark backends that are ``odc`` with its optimizer on torch's per-tensor Adam loop (``fused=False,
+foreach=False``), the kernel ODC's optimizer ran before the fused multi-tensor one: the "before" of the
+optimizer step's share of the step."""
 PAPER_CAP_TOKENS = 65536
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_LENGTH_SCALE = 16

@@ -25,12 +25,14 @@ from benchmarks.imbalance_lib.fsdp2 import Fsdp2Probe, build_fsdp2, fsdp2_train_
 from benchmarks.imbalance_lib.model import build_model
 from benchmarks.imbalance_lib.probes import Probe, make_forward_step
 from benchmarks.imbalance_lib.settings import (
+    CONFIGS,
     DTYPES,
     FSDP2_BACKENDS,
     MODEL,
     ODC_VARIANTS,
     OPTIMIZER,
     PAPER_CAP_TOKENS,
+    PER_TENSOR_OPTIMIZER_BACKENDS,
     PROFILES,
     WORLD_SIZE,
     config_name,
@@ -50,14 +52,16 @@ logger = logging.getLogger(__name__)
 def build_all(
     seq_length: int, dtype: str, backends: Sequence[str] | None = None
 ) -> dict[str, tuple[torch.nn.Module, Any, Probe]]:
-    """Builds each backend's model (same seed), optimizer and probe; all of them by default."""
+    """Builds each backend's model (same seed), optimizer and probe; by default every backend of
+    :data:`CONFIGS` (``odc`` always: the communication probe runs on it)."""
     from megatron.core.optimizer import OptimizerConfig
 
     from megatron_odc.mcore.backends import build_backend
     from megatron_odc.mcore.config import ODCConfig
 
     if backends is None:
-        backends = ("fsdp", "odc", *ODC_VARIANTS, "ddp", *FSDP2_BACKENDS)
+        backends = tuple(dict.fromkeys(backend for backend, _ in CONFIGS))
+    backends = tuple(dict.fromkeys(("odc", *backends)))
     built = {}
     for backend in backends:
         if backend in FSDP2_BACKENDS:
@@ -72,14 +76,26 @@ def build_all(
             params_dtype=DTYPES[dtype],
         )
         variant = ODC_VARIANTS.get(backend)
+        is_odc = variant is not None or backend in PER_TENSOR_OPTIMIZER_BACKENDS
         wrapped, optimizer = build_backend(
-            "odc" if variant else backend,
+            "odc" if is_odc else backend,
             model,
             opt_config,
             odc_config=ODCConfig(**variant) if variant else None,
         )
+        if backend in PER_TENSOR_OPTIMIZER_BACKENDS:
+            _use_per_tensor_loop(optimizer)
         built[backend] = (wrapped, optimizer, Probe(backend, wrapped, optimizer))
     return built
+
+
+def _use_per_tensor_loop(optimizer: Any) -> None:
+    """Switches ODC's torch optimizer, before its first step, to the per-tensor loop."""
+    inner = optimizer.optimizer
+    assert not inner.state, "switch the kernel before the first step"
+    for group in inner.param_groups:
+        group["fused"], group["foreach"] = False, False
+    optimizer.implementation = f"{type(inner).__name__} per-tensor loop"
 
 
 def one_step(
@@ -177,7 +193,11 @@ def _rank_main(rank: int, world_size: int, settings: dict, result_path: str) -> 
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
         scale = settings["length_scale"]
         cap = PAPER_CAP_TOKENS // scale
-        built = build_all(seq_length=cap, dtype=settings["dtype"])
+        built = build_all(
+            seq_length=cap,
+            dtype=settings["dtype"],
+            backends=[backend for backend, _ in settings["configs"]],
+        )
         cost = CostModel(**settings["cost"])
         vocab = MODEL["vocab_size"]
         warm_lengths = {0: cap // 2, 1: cap // 4}
@@ -234,8 +254,9 @@ def _rank_main(rank: int, world_size: int, settings: dict, result_path: str) -> 
             payload = {"results": results, "state_nbytes": gathered_state, "comm_probe": comm_probe}
             with open(result_path, "wb") as f:
                 pickle.dump(payload, f)
-        for backend in ("odc", *ODC_VARIANTS, "fsdp"):
-            built[backend][0].close()
+        for wrapped, _, _ in built.values():
+            if hasattr(wrapped, "close"):  # the ODC engine's shared memory and threads
+                wrapped.close()
         parallel_state.destroy_model_parallel()
     finally:
         patches.revert()

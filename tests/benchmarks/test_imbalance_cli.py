@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from benchmarks import imbalance
-from benchmarks.imbalance_lib.report import paired_bound, paired_ratio
-from benchmarks.imbalance_lib.settings import CONFIGS, MINIBATCHES, PROFILES
+from benchmarks.imbalance_lib.report import event_shares, format_shares, paired_bound, paired_ratio
+from benchmarks.imbalance_lib.settings import CONFIGS, EXTRA_CONFIGS, MINIBATCHES, PROFILES
 
 
 def _settings(*argv: str) -> dict:
@@ -39,6 +39,9 @@ def test_quick_fills_only_the_flags_not_given() -> None:
     full = _settings()
     assert full["profiles"] == list(PROFILES)
     assert full["minibatches"] == list(MINIBATCHES)
+    assert not set(EXTRA_CONFIGS) & set(full["configs"])
+    extra = _settings("--configs", "odc+lb_mini,odc-loop+lb_mini")
+    assert extra["configs"] == [("odc", "lb_mini"), ("odc-loop", "lb_mini")]
 
 
 @pytest.mark.parametrize(
@@ -72,3 +75,26 @@ def test_the_bound_divides_the_peer_by_the_evenly_split_busy_time() -> None:
     assert bound == pytest.approx((12 / 9 + 6 / 4.5) / 2)
     assert bound > ratio
     assert paired_bound(steps, "fsdp2-noreshard+lb_micro", "odc+lb_mini") is None
+
+
+def test_event_shares_count_nested_events_of_a_kind_once() -> None:
+    records = [
+        {
+            "wall_s": 10.0,
+            # a push nested in another push (FSDP2's finalize_backward calling post_backward)
+            "events": [("push", 1.0, 3.0), ("push", 2.0, 2.5), ("optimizer", 9.0, 10.0)],
+        },
+        {"wall_s": 20.0, "events": [("push", 0.0, 1.0), ("push", 4.0, 5.0)]},
+    ]
+    shares = event_shares(records)
+    assert shares == pytest.approx({"push": 0.15, "optimizer": 0.05})  # medians of 0.2/0.1, 0.1/0
+    row = {
+        "profile": "longalign",
+        "minibatch_per_rank": 4,
+        "config": "odc+lb_mini",
+        "event_share_per_rank": [shares, shares],
+    }
+    line = format_shares([row]).splitlines()[1]
+    assert "15.0/15.0" in line
+    assert "5.0/5.0" in line
+    assert line.split()[-1] == "80.0/80.0"
