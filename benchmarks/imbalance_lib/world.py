@@ -53,7 +53,7 @@ def build_all(
     seq_length: int, dtype: str, backends: Sequence[str] | None = None
 ) -> dict[str, tuple[torch.nn.Module, Any, Probe]]:
     """Builds each backend's model (same seed), optimizer and probe; by default every backend of
-    :data:`CONFIGS` (``odc`` always: the communication probe runs on it)."""
+    :data:`CONFIGS`."""
     from megatron.core.optimizer import OptimizerConfig
 
     from megatron_odc.mcore.backends import build_backend
@@ -61,7 +61,6 @@ def build_all(
 
     if backends is None:
         backends = tuple(dict.fromkeys(backend for backend, _ in CONFIGS))
-    backends = tuple(dict.fromkeys(("odc", *backends)))
     built = {}
     for backend in backends:
         if backend in FSDP2_BACKENDS:
@@ -196,7 +195,8 @@ def _rank_main(rank: int, world_size: int, settings: dict, result_path: str) -> 
         built = build_all(
             seq_length=cap,
             dtype=settings["dtype"],
-            backends=[backend for backend, _ in settings["configs"]],
+            # odc always: the communication probe runs on it
+            backends=list(dict.fromkeys(["odc", *(backend for backend, _ in settings["configs"])])),
         )
         cost = CostModel(**settings["cost"])
         vocab = MODEL["vocab_size"]
