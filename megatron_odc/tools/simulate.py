@@ -5,7 +5,8 @@ pool (``--profile`` / ``--lengths``) through the model of :mod:`megatron_odc.too
 paper's tables (``--paper``) and its multi-node cells with hybrid ODC (``--paper-multinode``, both
 :mod:`megatron_odc.tools.paper`), the pipeline-parallel speedups (``--pipeline-report``,
 :mod:`megatron_odc.tools.pipeline_report`) and a CPU benchmark file (``--benchmark-json``,
-:mod:`megatron_odc.tools.calibration`). See docs/benchmarks.md. Example::
+:mod:`megatron_odc.tools.calibration`). A flag the chosen mode does not read is refused, not
+ignored (:data:`_UNREAD_BY_MODE`). See docs/benchmarks.md. Example::
 
     python -m megatron_odc.simulate --profile longalign --dp 8 --minibatch 4 --model 1.5b
 """
@@ -140,6 +141,65 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _LAYER_FLAGS = ("--num-layers", "--layer-param-nbytes", "--layer-grad-nbytes")
+_SIZE_FLAGS = ("--dp", "--pipeline-stages", "--hybrid", "--minibatch")
+_MODEL_FLAGS = ("--model", "--cost-a", "--cost-b", *_LAYER_FLAGS)
+_HARDWARE_FLAGS = (
+    "--flops-per-s",
+    "--intra-gbps",
+    "--inter-gbps",
+    "--gpus-per-node",
+    "--latency-s",
+    "--collective-latency-s",
+    "--no-overlap",
+)
+_REPORT_SETTINGS = "which runs the paper's own models, GPU counts and minibatches"
+# The flags each mode does not read, and why: given, they are refused rather than ignored.
+_UNREAD_BY_MODE = {
+    "--paper": (_SIZE_FLAGS + _MODEL_FLAGS, _REPORT_SETTINGS),
+    "--paper-multinode": (_SIZE_FLAGS + _MODEL_FLAGS, _REPORT_SETTINGS),
+    "--pipeline-report": (_SIZE_FLAGS + _MODEL_FLAGS, _REPORT_SETTINGS),
+    "--benchmark-json": (
+        (*_SIZE_FLAGS, "--model", "--cap", "--num-minibatches", "--seed", "--profiles-file"),
+        "which replays the file's own sizes, lengths and model",
+    ),
+}
+
+
+def _given_flags(argv: Sequence[str] | None) -> list[str]:
+    """The flags written on the command line (abbreviations resolved), in the parser's order."""
+    probe = build_parser()
+    for action in probe._actions:  # argparse has no public "was this given" query
+        action.default = argparse.SUPPRESS
+    given = vars(probe.parse_args(argv))
+    return [a.option_strings[0] for a in probe._actions if a.option_strings and a.dest in given]
+
+
+def _check_unread_flags(args: argparse.Namespace, given: Sequence[str]) -> None:
+    """Refuses a flag that the chosen mode would silently not read.
+
+    Raises:
+        ValueError: naming the flags, the mode and why it does not read them.
+    """
+    mode = next((flag for flag in given if flag in _UNREAD_BY_MODE), None)
+    checks = []
+    if mode is not None:
+        checks.append((*_UNREAD_BY_MODE[mode], mode))
+    if args.cost_a is not None or args.cost_b is not None:
+        checks.append((("--model",), "where --cost-a/--cost-b give the model", None))
+    elif mode == "--benchmark-json":
+        checks.append(
+            (
+                _HARDWARE_FLAGS,
+                "which calibrates the hardware from the file unless --cost-a/--cost-b give the model",
+                mode,
+            )
+        )
+    for flags, why, owner in checks:
+        unread = [flag for flag in given if flag in flags]
+        if unread:
+            verb, pronoun = ("is", "it") if len(unread) == 1 else ("are", "them")
+            where = f" with {owner}," if owner else ""
+            raise ValueError(f"{' and '.join(unread)} {verb} not used{where} {why}; drop {pronoun}")
 
 
 def _check_layer_flags(args: argparse.Namespace) -> None:
@@ -213,6 +273,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        _check_unread_flags(args, _given_flags(argv))
         hw = Hardware(
             flops_per_s=args.flops_per_s,
             intra_node_gbps=args.intra_gbps,

@@ -131,3 +131,38 @@ def test_cli_names_a_bad_benchmark_file(tmp_path, capsys) -> None:
     assert "--layer-grad-nbytes is only used with --cost-a and --cost-b" in cli_error(
         capsys, main, ["--benchmark-json", str(bench), "--layer-grad-nbytes", "4"]
     )
+
+
+def test_cli_refuses_flags_the_mode_does_not_read(tmp_path, capsys) -> None:
+    # The report modes run the paper's own settings, a benchmark file replays its own: a size or
+    # model flag there would be ignored, so it is refused naming the flags and the mode.
+    line = cli_error(capsys, main, ["--paper", "--dp", "16", "--model", "7b"])
+    assert line.endswith(
+        "error: --dp and --model are not used with --paper, which runs the paper's own models, "
+        "GPU counts and minibatches; drop them"
+    )
+    line = cli_error(capsys, main, ["--pipeline-report", "--cost-a", "1", "--cost-b", "1"])
+    assert "error: --cost-a and --cost-b are not used with --pipeline-report," in line
+    # Abbreviations are resolved as argparse resolves them.
+    line = cli_error(capsys, main, ["--paper-multinode", "--mini", "2"])
+    assert "error: --minibatch is not used with --paper-multinode," in line
+    bench = tmp_path / "bench.json"
+    bench.write_text("{}")
+    line = cli_error(capsys, main, ["--benchmark-json", str(bench), "--seed", "3"])
+    assert line.endswith(
+        "error: --seed is not used with --benchmark-json, which replays the file's own sizes, "
+        "lengths and model; drop it"
+    )
+    line = cli_error(capsys, main, ["--benchmark-json", str(bench), "--flops-per-s", "1e12"])
+    assert line.endswith(
+        "error: --flops-per-s is not used with --benchmark-json, which calibrates the hardware "
+        "from the file unless --cost-a/--cost-b give the model; drop it"
+    )
+    # An explicit cost model replaces the preset in every mode.
+    path = tmp_path / "lengths.txt"
+    path.write_text("1000\n200\n")
+    argv = ["--lengths", str(path), "--cost-a", "1", "--cost-b", "1", "--model", "1.5b"]
+    line = cli_error(capsys, main, argv)
+    assert line.endswith(
+        "error: --model is not used where --cost-a/--cost-b give the model; drop it"
+    )
