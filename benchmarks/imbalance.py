@@ -47,6 +47,10 @@ FLOP model, 54-66% in fits of measured times), as for the paper's 1.5B at 64K (6
 - Step time: per rank, from a barrier to the end of ``train_step`` (zero grads, forward/backward of the
   rank's microbatches, gradient sync, optimizer step); the step time is the max over ranks. ``cpu_s`` is the
   rank's main-thread CPU time over the same span (wall - cpu = waiting + time preempted by other load).
+- Kernel warm-up: before a repeat's timed steps, each plan's microbatches run forward and backward once
+  through an unwrapped copy of the model (untimed, gradients dropped). oneDNN builds a kernel for each new
+  GEMM shape (about 3 ms a shape in bf16 on an AMX host); without this the first configuration of each plan
+  in a repeat paid that for the rest (0.1-0.3 s of a 1 s step, 2026-12-06).
 - Busy/idle per rank: ``odc``/``fsdp``: idle = fetch wait + push + fence time of the engine telemetry
   (for ``fsdp`` these are the blocking collectives, which include waiting for the slower rank; for ``odc``
   they are shared-memory copies plus the per-minibatch fence); ``ddp``: idle = time inside

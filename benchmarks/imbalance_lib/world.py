@@ -41,6 +41,7 @@ from benchmarks.imbalance_lib.workload import (
     build_microbatches,
     draw_minibatches,
     global_loss_tokens,
+    loss_func,
     loss_tokens,
     scaled_lengths,
 )
@@ -95,6 +96,21 @@ def _use_per_tensor_loop(optimizer: Any) -> None:
     for group in inner.param_groups:
         group["fused"], group["foreach"] = False, False
     optimizer.implementation = f"{type(inner).__name__} per-tensor loop"
+
+
+def warm_shapes(warmer: torch.nn.Module, microbatches: Sequence[dict[str, Any]]) -> None:
+    """Runs ``microbatches`` forward and backward through ``warmer`` (an unwrapped copy of the model)
+    and drops its gradients, so the kernels of their shapes are built before any timed step.
+
+    oneDNN builds a kernel for each new GEMM shape (about 3 ms a shape in bf16 on an AMX host,
+    measured): without this, the first configuration of each plan in a repeat pays it for all
+    (0.1-0.3 s of a 1 s step), and which configuration runs first decides the ratios.
+    """
+    for mb in microbatches:
+        out = warmer(mb["tokens"], mb["position_ids"], mb["attention_mask"], labels=mb["labels"])
+        loss_sum, _, _ = loss_func(mb["loss_mask"], out)
+        loss_sum.backward()
+    warmer.zero_grad(set_to_none=True)
 
 
 def one_step(
@@ -155,6 +171,11 @@ def one_step(
     return record
 
 
+def _rank_microbatches(plan: Any, rank: int, vocab: int) -> list[dict[str, Any]]:
+    """``rank``'s packed microbatches of ``plan`` (the same tokens on every call)."""
+    return build_microbatches(plan.rank_microbatches(rank), dict(plan.lengths), vocab)
+
+
 def _probe_allgather(odc_model: torch.nn.Module, repeats: int = 20) -> dict:
     """Median seconds of a gloo all-gather of one transformer layer's parameters (fp32), both ranks."""
     engine = odc_model.engine
@@ -206,6 +227,7 @@ def _rank_main(rank: int, world_size: int, settings: dict, result_path: str) -> 
         for backend in built:
             one_step(built, backend, warm, cap, warm_tokens)
         state_nbytes = {b: built[b][2].state_nbytes() for b in built}
+        warmer = build_model(seed=1, seq_length=cap, dtype=settings["dtype"])
         comm_probe = _probe_allgather(built["odc"][0])
         results = []
         for profile in settings["profiles"]:
@@ -217,8 +239,8 @@ def _rank_main(rank: int, world_size: int, settings: dict, result_path: str) -> 
                 cell = {config_name(*c): [] for c in settings["configs"]}
                 for repeat, lengths in enumerate(batches):
                     ids = list(range(repeat * global_batch, (repeat + 1) * global_batch))
-                    for backend, kind in settings["configs"]:
-                        plan = make_plan(
+                    plans = {
+                        kind: make_plan(
                             kind,
                             ids,
                             lengths,
@@ -227,9 +249,13 @@ def _rank_main(rank: int, world_size: int, settings: dict, result_path: str) -> 
                             cost_model=cost,
                             too_long="truncate",
                         )
-                        mbs = build_microbatches(
-                            plan.rank_microbatches(rank), dict(plan.lengths), vocab
-                        )
+                        for kind in dict.fromkeys(kind for _, kind in settings["configs"])
+                    }
+                    for plan in plans.values():
+                        warm_shapes(warmer, _rank_microbatches(plan, rank, vocab))
+                    for backend, kind in settings["configs"]:
+                        plan = plans[kind]
+                        mbs = _rank_microbatches(plan, rank, vocab)
                         tokens = (
                             global_loss_tokens(plan, world_size, vocab)
                             if backend in FSDP2_BACKENDS
