@@ -77,7 +77,7 @@ Usage::
 
 ``--json`` writes one JSON object per (profile, minibatch, configuration) line. ``--quick`` runs longalign,
 minibatch 4 (unless ``--profiles`` / ``--minibatches`` say otherwise; every other flag applies as given),
-5 repeats by default (about 2.5 minutes on an idle 2-core AVX-512 machine in bf16, 5.3 minutes on an AVX2
+5 repeats by default (about 1.1 minutes on an idle 2-core AVX-512 machine in bf16, 5.3 minutes on an AVX2
 one in fp32) and ends with a line per cell holding the ratios of ``odc+lb_mini`` to ``fsdp+lb_micro`` and to
 ``fsdp2+lb_micro``.
 """
