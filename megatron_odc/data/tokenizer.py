@@ -10,6 +10,7 @@ Nothing here imports megatron.
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -142,6 +143,23 @@ class HFTokenizer:
         return [int(i) for i in ids]
 
 
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "*.tiktoken",
+)
+"""Files of which a Hugging Face tokenizer directory holds at least one (fast, config, sentencepiece,
+BPE, WordPiece, tiktoken)."""
+
+
+def _has_tokenizer_files(path: str) -> bool:
+    """Whether ``path`` holds any of :data:`TOKENIZER_FILES`."""
+    return any(glob.glob(os.path.join(glob.escape(path), name)) for name in TOKENIZER_FILES)
+
+
 def load_tokenizer(path_or_name: str | os.PathLike[str], *, use_chat_template: bool = True):
     """Loads a tokenizer for the SFT pipeline.
 
@@ -175,7 +193,15 @@ def load_tokenizer(path_or_name: str | os.PathLike[str], *, use_chat_template: b
     try:
         hf_tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as exc:
-        raise ValueError(f"could not load a Hugging Face tokenizer from {path!r}: {exc}") from exc
+        if not _has_tokenizer_files(path):
+            raise ValueError(
+                f"{path!r} holds no tokenizer files (none of {', '.join(TOKENIZER_FILES)}): copy "
+                "the model's tokenizer files there, or use 'byte' for the byte-level fallback"
+            ) from exc
+        reason = " ".join(str(exc).split())  # transformers' messages span several lines
+        raise ValueError(
+            f"could not load a Hugging Face tokenizer from {path!r}: {reason}"
+        ) from exc
     tokenizer = HFTokenizer(hf_tokenizer, use_chat_template=use_chat_template)
     logger.info(
         "loaded tokenizer %s (vocab %d, chat template: %s)",

@@ -422,3 +422,20 @@ def test_loss_weights_and_global_count(tmp_path):
     assert loss_weights(mask, 0).abs().sum() == 0
     with pytest.raises(ValueError, match="global_num_loss_tokens"):
         loss_weights(mask, -1)
+
+
+def test_a_directory_without_tokenizer_files_is_named(tmp_path):
+    # A model directory with config.json alone: transformers picks a tokenizer class from the
+    # config and fails with a several-line message about sentencepiece; the error says what is missing.
+    pytest.importorskip("transformers")
+    (tmp_path / "config.json").write_text(
+        '{"model_type": "llama", "vocab_size": 100, "hidden_size": 64}'
+    )
+    with pytest.raises(ValueError) as exc:
+        load_tokenizer(tmp_path)
+    message = str(exc.value)
+    assert "\n" not in message
+    assert message.startswith(f"{str(tmp_path)!r} holds no tokenizer files (none of tokenizer.json")
+    assert message.endswith(
+        "copy the model's tokenizer files there, or use 'byte' for the byte-level fallback"
+    )
