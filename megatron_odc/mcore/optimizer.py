@@ -216,6 +216,9 @@ class ODCOptimizer(MegatronOptimizer):
             self.grad_scaler = None
         self.device = self.engines[0].device if self.engines else torch.device("cpu")
         self._scale_one = torch.ones(1, dtype=torch.float32, device=self.device)
+        self._mains_follow_model = False
+        """Whether the model's shards were loaded after the main shards last were (see
+        :meth:`model_params_loaded`): the mains are refreshed from them before they are next read."""
 
     # ------------------------------------------------------------------ Megatron surface
 
@@ -278,6 +281,7 @@ class ODCOptimizer(MegatronOptimizer):
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:
         """Inner optimizer step, then write the compute-dtype shards peers will fetch."""
+        self._settle_main_params()
         self.optimizer.step()
         self._copy_main_params_to_model_params()
         self._end_step()
@@ -329,6 +333,24 @@ class ODCOptimizer(MegatronOptimizer):
     def reload_model_params(self, state_dict=None) -> None:
         """Refresh the fp32 main shards from the model's (compute-dtype) shards, e.g. after a load."""
         self._copy_model_params_to_main_params(state_dict)
+        self._mains_follow_model = False
+
+    def model_params_loaded(self) -> None:
+        """The model's shards were just loaded from a checkpoint, outside this optimizer.
+
+        The main shards are refreshed from them before they are next read (a step or a save), unless
+        an optimizer load or :meth:`reload_model_params` comes first. Deferred, not done here: Megatron-LM's
+        ``load_checkpoint`` loads the optimizer's main shards in place, *then* calls the model's
+        ``load_state_dict``, then the optimizer's; refreshing here would overwrite the loaded fp32
+        masters with the compute-dtype weights (issue 37: bf16 / fp16 resumes drifted). A weights-only
+        load (``--finetune``, ``--no-load-optim``) has no optimizer load after it, and Megatron-LM
+        reloads only in bf16 / fp16: the deferred refresh covers fp32 too.
+        """
+        self._mains_follow_model = True
+
+    def _settle_main_params(self) -> None:
+        if self._mains_follow_model:
+            self.reload_model_params()
 
     # ------------------------------------------------------------------ state
 
@@ -343,6 +365,7 @@ class ODCOptimizer(MegatronOptimizer):
 
     def state_dict(self) -> dict:
         """Inner optimizer state (owned pieces only), loss scaler and fp32 main shards."""
+        self._settle_main_params()
         return {
             "optimizer": self.optimizer.state_dict(),
             "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
@@ -365,6 +388,7 @@ class ODCOptimizer(MegatronOptimizer):
             for mains, saved in zip(self._main_shards, state_dict["main_shards"]):
                 for main, value in zip(mains, saved):
                     main.copy_(value)
+        self._mains_follow_model = False
         self.write_loaded_main_params()
 
     def write_loaded_main_params(self) -> None:
@@ -385,4 +409,6 @@ class ODCOptimizer(MegatronOptimizer):
         See ``dist_ckpt/optimizer_state.py``; ``model_sharded_state_dict`` and ``kwargs`` (e.g.
         Megatron-LM's ``metadata``) are not needed. Collective when saving.
         """
+        if not is_loading:
+            self._settle_main_params()
         return optimizer_state.odc_optimizer_sharded_state_dict(self, is_loading=is_loading)

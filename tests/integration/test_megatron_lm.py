@@ -920,3 +920,75 @@ def test_real_validate_args_lets_fp8_params_through_for_the_odc_engine(backend, 
         assert "only supported with distributed optimizer" in result["refused"], result
     else:
         assert result == {"fp8_param": True, "fp8": "hybrid", "flag": True, "distopt": False}
+
+
+def _dcp_tensors(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a torch_dist checkpoint directory, by key (read in this process, no Megatron)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = checkpoint_dir.parent / f"{checkpoint_dir.name}.pt"
+    dcp_to_torch_save(str(checkpoint_dir), str(out))
+    flat: dict[str, torch.Tensor] = {}
+
+    def walk(prefix: str, value) -> None:
+        if isinstance(value, dict):
+            for key, inner in value.items():
+                walk(f"{prefix}.{key}" if prefix else str(key), inner)
+        elif isinstance(value, torch.Tensor):
+            flat[prefix] = value
+
+    walk("", torch.load(out, weights_only=False))
+    return flat
+
+
+@pytest.mark.usefixtures("megatron_lm_path")
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    "precision",
+    # fp16's default initial scale 2**32 skips every step of so short a run.
+    [("--bf16",), ("--fp16", "--initial-loss-scale", "1024")],
+    ids=["bf16", "fp16"],
+)
+def test_pretrain_gpt_mixed_precision_resume_is_bitwise(tmp_path, precision) -> None:
+    """bf16 / fp16 under Megatron-LM: a --save at 3 and --load resume to 6 (deterministic sums) end
+    with the uninterrupted run's fp32 masters, Adam moments and weights bit for bit, and print its
+    losses. Before the fix the model's load_state_dict override refreshed the masters from the
+    half-precision weights after Megatron-LM had loaded them in place (issue 37, item 1)."""
+    flags = (*precision, "--odc-deterministic")
+    full_dir, part_dir = tmp_path / "full", tmp_path / "part"
+    full = pretrain_gpt_losses(
+        "odc", tmp_path, *flags, "--save", str(full_dir), "--save-interval", "3"
+    )
+    pretrain_gpt_losses(
+        "odc",
+        tmp_path,
+        *flags,
+        "--save",
+        str(part_dir),
+        "--save-interval",
+        "3",
+        "--exit-interval",
+        "3",
+        iterations=range(1, 4),
+    )
+    resumed = pretrain_gpt_losses(
+        "odc",
+        tmp_path,
+        *flags,
+        "--load",
+        str(part_dir),
+        "--save",
+        str(part_dir),
+        "--save-interval",
+        "3",
+        iterations=range(4, 7),
+    )
+    assert resumed[4] == full[4], (resumed, full)
+    assert resumed[6] == full[6], (resumed, full)
+    want = _dcp_tensors(full_dir / "iter_0000006")
+    got = _dcp_tensors(part_dir / "iter_0000006")
+    assert sorted(got) == sorted(want)
+    masters = [k for k in want if k.startswith("optimizer.") and ".param." in k]
+    assert masters, sorted(want)[:20]
+    differ = [k for k in want if not torch.equal(got[k], want[k])]
+    assert not differ, differ[:10]

@@ -67,15 +67,17 @@ def _batches(cfg, dp_rank: int, step: int, count: int = 2):
     return [make_batch(cfg, 1, seed=1000 * step + 37 * dp_rank + i) for i in range(count)]
 
 
-def _build(backend: str, cfg, seed: int):
+def _build(backend: str, cfg, seed: int, options: ODCConfig = ODC_OPTIONS):
     from megatron.core.optimizer import OptimizerConfig
 
     from megatron_odc.mcore.backends import build_backend
-    from megatron_odc.mcore.model import build_gpt_model
+    from megatron_odc.mcore.model import build_gpt_model, with_mixed_precision
 
-    model = build_gpt_model(cfg, seed=seed)
-    opt_config = OptimizerConfig(optimizer="adam", params_dtype=cfg.params_dtype, **HP)
-    options = ODC_OPTIONS if backend in ("odc", "fsdp") else None
+    model = with_mixed_precision(build_gpt_model(cfg, seed=seed))
+    opt_config = OptimizerConfig(
+        optimizer="adam", params_dtype=cfg.params_dtype, bf16=cfg.bf16, **HP
+    )
+    options = options if backend in ("odc", "fsdp") else None
     return build_backend(backend, model, opt_config, odc_config=options)
 
 
@@ -260,7 +262,10 @@ def _mlm_save(model, opt, directory: Path, iteration: int) -> None:
 
 
 def _mlm_load(model, opt, directory: Path, *, load_optim: bool) -> int:
-    """What Megatron-LM's ``load_checkpoint`` does with torch_dist: model, then optimizer."""
+    """What Megatron-LM's ``load_checkpoint`` does with torch_dist, in its order: one load of model and
+    optimizer state (the optimizer's fp32 main shards are filled in place), the model's
+    ``load_state_dict``, then the optimizer's, or for a weights-only load in bf16 / fp16
+    ``reload_model_params``."""
     from megatron.core import dist_checkpointing
     from megatron.core.utils import unwrap_model
 
@@ -275,15 +280,70 @@ def _mlm_load(model, opt, directory: Path, *, load_optim: bool) -> int:
     model.load_state_dict(loaded["model"], strict=True)
     if load_optim:
         chained.load_state_dict(loaded["optimizer"])
+    elif opt.config.bf16 or opt.config.fp16:
+        chained.reload_model_params()
     return int(loaded["iteration"])
 
 
 def _mains_equal_model_shards(model, opt) -> bool:
+    """Whether the main shards the optimizer would step (and save) are the model's shards."""
     engine = model.engine
     return all(
         torch.equal(main, engine.param_shard(bucket.index).float())
-        for bucket, main in zip(engine.layout.buckets, opt._main_shards[0])
+        for bucket, main in zip(engine.layout.buckets, opt.state_dict()["main_shards"][0])
     )
+
+
+def _fenced_full_parameters(model) -> dict[str, torch.Tensor]:
+    """An ODC model's full parameters by the engine's names, after the last step's fence."""
+    model.engine.transport.fence()
+    return model.engine.full_parameters()
+
+
+def _half_precision_resumes(root: Path) -> dict:
+    """bf16 ODC (deterministic sums): 2 steps, a save by the plugin and one by Megatron-LM's calls,
+    2 more steps (the uninterrupted run); then a model of other weights loads each checkpoint and
+    takes the same 2 steps. Issue 37, item 1: Megatron-LM's order (optimizer loaded in place, then
+    the model's ``load_state_dict``, then the optimizer's) lost the fp32 masters to the bf16 weights."""
+    from megatron_odc.integration.megatron_lm.checkpointing import (
+        install_megatron_lm_checkpointing,
+    )
+    from megatron_odc.runner.checkpoint import load_checkpoint, save_checkpoint
+
+    cfg = _cfg(params_dtype=torch.bfloat16, bf16=True)
+    options = ODCConfig(bucket_size=3000, deterministic=True)
+    model, opt = _build("odc", cfg, seed=61, options=options)
+    for step in range(2):
+        _step(model, opt, cfg, step)
+    save_checkpoint(root / "odc_bf16", 2, model, opt, extra_state={})
+    install_megatron_lm_checkpointing(model, opt)
+    _mlm_save(model, opt, root / "mlm_odc_bf16", 2)
+    saved_opt = _odc_optimizer_state(opt)
+    ref_losses = [_step(model, opt, cfg, step) for step in range(2, 2 + RESUME_STEPS)]
+    ref_final = _fenced_full_parameters(model)
+    ref_opt = _odc_optimizer_state(opt)
+    model.close()
+    out = {}
+    for path in ("entry", "mlm"):
+        model, opt = _build("odc", cfg, seed=67, options=options)
+        if path == "entry":
+            load_checkpoint(root / "odc_bf16", model, opt)
+        else:
+            install_megatron_lm_checkpointing(model, opt)
+            _mlm_load(model, opt, root / "mlm_odc_bf16", load_optim=True)
+        loaded_opt = _odc_optimizer_state(opt)
+        losses = [_step(model, opt, cfg, step) for step in range(2, 2 + RESUME_STEPS)]
+        out[path] = {
+            "masters_equal": _same_optimizer_state(loaded_opt, saved_opt),
+            "masters_not_weights": any(
+                not torch.equal(x[2], x[2].bfloat16().float()) for x in loaded_opt
+            ),
+            "losses_equal": losses == ref_losses,
+            "final_equal": _max_abs_diff(_fenced_full_parameters(model), ref_final)[0] == 0.0,
+            "final_optimizer_equal": _same_optimizer_state(_odc_optimizer_state(opt), ref_opt),
+        }
+        model.close()
+    return out
 
 
 def _max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, str]:
@@ -402,6 +462,7 @@ def _run_pretrain_and_resume(rank, world_size, root: str):
         mlm["weights_only_mains"] = _mains_equal_model_shards(model, opt)
         out["mlm"] = mlm
         model.close()
+        out["half_precision"] = _half_precision_resumes(root_path)
 
         # A model of another hidden size must be refused, naming the tensor.
         bad, bad_opt = _build("odc", _cfg(hidden_size=48), seed=11)
@@ -469,6 +530,20 @@ def test_megatron_lm_checkpointing_path(pretrained) -> None:
         assert abs(got - want) <= 1e-6 * abs(want), f"rank {rank}: {got} vs distopt's {want}"
         assert mlm["weights_only_diff"][0] == 0.0, f"rank {rank}: {mlm['weights_only_diff']}"
         assert mlm["weights_only_mains"], f"rank {rank}: main shards not refreshed from the weights"
+
+
+@pytest.mark.parametrize("path", ["entry", "mlm"])
+def test_bf16_resume_keeps_the_fp32_masters(pretrained, path) -> None:
+    """Issue 37, item 1: through the plugin's load and Megatron-LM's load order, a bf16 resume
+    continues bit for bit: fp32 masters (not the bf16 weights upcast), Adam moments, losses, weights."""
+    _, results = pretrained
+    for rank, res in enumerate(results):
+        got = res["half_precision"][path]
+        assert got["masters_not_weights"], f"rank {rank}: the masters are bf16 values (no oracle)"
+        assert got["masters_equal"], f"rank {rank}: loaded fp32 masters or moments differ"
+        assert got["losses_equal"], f"rank {rank}: the next losses differ"
+        assert got["final_equal"], f"rank {rank}: weights differ after the resumed steps"
+        assert got["final_optimizer_equal"], f"rank {rank}: optimizer state differs at the end"
 
 
 def test_incompatible_checkpoint_names_the_tensor(pretrained) -> None:

@@ -48,8 +48,9 @@ class _ODCModuleShardedStateDict:
 class _ODCLoadStateDict:
     """The ``ODCDataParallel`` chunk's ``load_state_dict`` for dist-checkpoint state dicts.
 
-    A weights-only load (``--finetune``, ``--no-load-optim``) then refreshes the optimizer's main
-    shards from the loaded weights; a later optimizer load overwrites them.
+    The optimizer is told that the model's shards were loaded (``ODCOptimizer.model_params_loaded``):
+    its main shards follow the loaded weights before they are next read, unless Megatron-LM's optimizer
+    load (which comes after this call, over main shards it already loaded in place) sets them first.
     """
 
     def __init__(self, model: ODCDataParallel, optimizer: ODCOptimizer | None) -> None:
@@ -59,7 +60,7 @@ class _ODCLoadStateDict:
     def __call__(self, state_dict: dict[str, Any], strict: bool = True) -> Any:
         load_odc_model_state_dict(self.model, state_dict)
         if self.optimizer is not None:
-            self.optimizer.reload_model_params()
+            self.optimizer.model_params_loaded()
         return torch.nn.modules.module._IncompatibleKeys([], [])
 
 
