@@ -339,6 +339,22 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="load weights only from --load; start at iteration 0 with fresh optimizer and data",
     )
+    schedule = ckpt.add_mutually_exclusive_group()
+    schedule.add_argument(
+        "--override-opt_param-scheduler",
+        action="store_true",
+        help="on --load, continue with the learning-rate and weight-decay schedule of this run's "
+        "flags (--lr, --min-lr, --lr-warmup-iters, --lr-decay-iters, --lr-decay-style, "
+        "--train-iters, --weight-decay) from the checkpoint's iteration on; without it or "
+        "--use-checkpoint-opt_param-scheduler, a schedule that differs from the checkpoint's is "
+        "refused (Megatron-LM's rule)",
+    )
+    schedule.add_argument(
+        "--use-checkpoint-opt_param-scheduler",
+        action="store_true",
+        help="on --load, keep the checkpoint's learning-rate and weight-decay schedule whatever "
+        "this run's flags say",
+    )
     ckpt.add_argument(
         "--load-hf",
         default=None,

@@ -127,8 +127,10 @@ class LogInterval:
         global_batch_size: int,
         telemetry: dict[str, float] | None,
         eta_s: float,
+        loss_scale: float | None = None,
     ) -> LogFigures:
-        """The figures of this interval; ``pairs`` is what :meth:`reduce` returned."""
+        """The figures of this interval; ``pairs`` is what :meth:`reduce` returned; ``loss_scale``
+        the optimizer's after the interval (None without a loss scaler)."""
         loss_sums, token_counts = pairs.double().unbind(dim=1)
         per_iteration = tuple(
             IterationFigures(
@@ -160,6 +162,8 @@ class LogInterval:
             min_microbatches=self.min_microbatches,
             max_microbatches=self.max_microbatches,
             num_skipped=self.num_skipped,
+            num_iterations=self.num_iters,
+            loss_scale=loss_scale,
             plan_ahead_ms_max=1000 * max(self.plan_s),
             plan_wait_ms_max=1000 * max(self.plan_wait_s),
             telemetry=telemetry,
@@ -193,6 +197,9 @@ class LogFigures:
         grad_norm, learning_rate: the last iteration's.
         ms_per_iteration, tokens_per_s: this rank's, over the interval.
         min_microbatches, max_microbatches: over the ranks and iterations of the interval.
+        num_skipped, num_iterations: the interval's iterations whose optimizer step was skipped
+            (fp16 overflow), of how many.
+        loss_scale: the loss scale after the interval (None without a loss scaler).
         plan_ahead_ms_max, plan_wait_ms_max: the longest planning on the lookahead thread, and the
             longest wait for it.
         telemetry: ODC's figures of the last minibatch, reduced over DP (``core/telemetry.py``;
@@ -211,6 +218,8 @@ class LogFigures:
     min_microbatches: int | None
     max_microbatches: int | None
     num_skipped: int
+    num_iterations: int
+    loss_scale: float | None
     plan_ahead_ms_max: float
     plan_wait_ms_max: float
     telemetry: dict[str, float] | None
@@ -230,7 +239,12 @@ class LogFigures:
             f"grad norm: {grad_norm:.3f}" if grad_norm is not None else "grad norm: n/a",
             f"tokens/s: {self.tokens_per_s:.0f}",
             f"num microbatches min/max: {self.min_microbatches}/{self.max_microbatches}",
-            f"number of skipped iterations: {self.num_skipped:3d}",
+            f"number of skipped iterations: {self.num_skipped:3d}"
+            + (" (every step of the interval)" if self.num_skipped == self.num_iterations else ""),
+        ]
+        if self.loss_scale is not None:
+            parts.append(f"loss scale: {self.loss_scale:.1f}")
+        parts += [
             f"plan ahead/wait max (ms): {self.plan_ahead_ms_max:.1f}/{self.plan_wait_ms_max:.1f}",
         ]
         telemetry = self.telemetry

@@ -9,7 +9,9 @@ takes each :class:`~megatron_odc.runner.log.LogFigures` when its line is logged 
   names, each also against consumed samples as ``<tag> vs samples``): ``lm loss``, ``learning-rate``,
   ``grad-norm``, ``batch-size``. They are written when the log line is due, after the losses are
   reduced over DP, so a step appears up to ``--log-interval`` iterations late;
-- per log line (``--log-interval``): ``iteration-time`` (seconds, as Megatron-LM's), ``tokens-per-second``
+- per log line (``--log-interval``): ``skipped-iterations`` (optimizer steps skipped in the interval, fp16
+  overflow), ``loss-scale`` (Megatron-LM's tag; with a loss scaler only), ``iteration-time`` (seconds,
+  as Megatron-LM's), ``tokens-per-second``
   (Megatron-LM's ``throughput`` is TFLOP/s per GPU, which this entry does not compute), and ODC's
   figures under ``odc/``: the microbatch counts per rank (min, max), the planner's time ahead and the
   loop's wait for it, the compute imbalance and the fetch / push / fence waits (max and mean over DP).
@@ -136,7 +138,10 @@ class MetricsWriter:
             "odc/num-microbatches-max": figures.max_microbatches,
             "odc/plan-ahead-ms-max": figures.plan_ahead_ms_max,
             "odc/plan-wait-ms-max": figures.plan_wait_ms_max,
+            "skipped-iterations": figures.num_skipped,
         }
+        if figures.loss_scale is not None:
+            scalars["loss-scale"] = figures.loss_scale
         if figures.telemetry is not None:
             for tag, (key, factor) in ODC_TELEMETRY_TAGS.items():
                 scalars[tag] = factor * figures.telemetry[key]

@@ -79,6 +79,8 @@ class TrainResult:
     elapsed_s: float
     num_tokens: int
     plan_wait_s: dict[int, float] = dataclasses.field(default_factory=dict)
+    num_skipped: int = 0
+    """Iterations of this run whose optimizer step was skipped (fp16: inf/nan gradients)."""
 
     @property
     def final_loss(self) -> float | None:
@@ -246,6 +248,13 @@ class Trainer:
             self._save_hf(iteration)
         result.iteration = iteration
         result.elapsed_s = time.perf_counter() - loop_start
+        if iteration > start and result.num_skipped == iteration - start:
+            raise ValueError(
+                f"every optimizer step of this run was skipped (iterations {start + 1}-{iteration}: "
+                f"inf/nan gradients at every step, loss scale now {self._loss_scale()}), so the "
+                "model did not train. Lower --loss-scale or --initial-loss-scale, check the data "
+                "and --lr, or train in --bf16"
+            )
         return result
 
     def _iteration(self, iteration: int, interval: LogInterval, result: TrainResult) -> None:
@@ -271,7 +280,10 @@ class Trainer:
             micro_batch_size=1,
             phase=lambda name: self.health.phase(name, iteration),
         )
-        self.scheduler.step(increment=args.global_batch_size)
+        if report["update_successful"]:  # Megatron-LM's rule: a skipped step keeps the schedule
+            self.scheduler.step(increment=args.global_batch_size)
+        else:
+            result.num_skipped += 1
         if report["losses"]:
             pair = torch.stack([r["lm loss"].double() for r in report["losses"]]).sum(dim=0)
         else:
@@ -350,6 +362,7 @@ class Trainer:
             global_batch_size=self.args.global_batch_size,
             telemetry=telemetry,
             eta_s=eta_s,
+            loss_scale=self._loss_scale(),
         )
         for step in figures.per_iteration:
             result.losses[step.iteration] = step.lm_loss
@@ -372,6 +385,7 @@ class Trainer:
                 raise ValueError(f"--finetune: no checkpoint found in --load {args.load!r}")
             logger.warning("no checkpoint found in --load %s: training from scratch", args.load)
             return 0
+        built_lrs = _group_lr_bounds(self.optimizer)  # this run's, before the load replaces them
         iteration, extra = checkpoint.load_checkpoint(
             args.load, self.model, self.optimizer, finetune=args.finetune
         )
@@ -380,6 +394,8 @@ class Trainer:
                 "loaded the weights of iteration %d from %s (--finetune)", latest, args.load
             )
             return 0
+        if self._check_schedule(extra.get("scheduler"), iteration) == "flags":
+            _set_group_lr_bounds(self.optimizer, built_lrs)
         checkpoint.restore_training_state(extra, self.data.sampler, self.scheduler)
         logger.info(
             "resumed from %s at iteration %d (%d consumed samples)",
@@ -388,6 +404,48 @@ class Trainer:
             extra.get("consumed_samples", iteration * args.global_batch_size),
         )
         return iteration
+
+    def _check_schedule(self, saved: dict | None, iteration: int) -> str:
+        """Megatron-LM's rule for a resumed schedule: flags that change it are refused unless
+        ``--override-opt_param-scheduler`` (the flags win) or ``--use-checkpoint-opt_param-scheduler``
+        (the checkpoint wins) says which one applies.
+
+        Returns:
+            ``"flags"`` when this run's schedule applies and differs from the checkpoint's, else
+            ``"checkpoint"``.
+
+        Raises:
+            ValueError: naming each setting that differs and both flags.
+        """
+        args = self.args
+        if saved is None:
+            return "checkpoint"  # restore_training_state names the missing entry
+        differences = optimizer_setup.schedule_differences(self.scheduler, saved)
+        if not differences:
+            return "checkpoint"
+        if args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler:
+            winner = "flags" if args.override_opt_param_scheduler else "checkpoint's values"
+            logger.info(
+                "--load %s: the schedule differs from the checkpoint's (%s); the %s apply from "
+                "iteration %d",
+                args.load,
+                "; ".join(differences),
+                winner,
+                iteration + 1,
+            )
+            return "flags" if args.override_opt_param_scheduler else "checkpoint"
+        raise ValueError(
+            f"--load {args.load}: this run's learning-rate schedule differs from the one saved at "
+            f"iteration {iteration}: {'; '.join(differences)}. Add --override-opt_param-scheduler "
+            "to continue with this run's flags from there, or --use-checkpoint-opt_param-scheduler "
+            "to keep the checkpoint's schedule"
+        )
+
+    def _loss_scale(self) -> float | None:
+        """The optimizer's loss scale, where there is one (``--fp16``, or ``--loss-scale``)."""
+        if not (self.args.fp16 or self.args.loss_scale):
+            return None
+        return float(self.optimizer.get_loss_scale())
 
     def _save(self, iteration: int) -> None:
         with self.health.phase("save", iteration):
@@ -435,6 +493,19 @@ def _fp8_settings(args: argparse.Namespace) -> FP8Settings | None:
     if args.fp8_format is None:
         return None
     return FP8Settings(args.fp8_format, args.fp8_recipe, args.fp8_param_gather)
+
+
+def _group_lr_bounds(optimizer: Any) -> list[tuple[Any, Any]]:
+    """Each param group's ``max_lr`` / ``min_lr``: megatron-core's scheduler reads the peak and floor
+    from the groups, and an optimizer load restores the checkpoint's."""
+    return [(group.get("max_lr"), group.get("min_lr")) for group in optimizer.param_groups]
+
+
+def _set_group_lr_bounds(optimizer: Any, bounds: list[tuple[Any, Any]]) -> None:
+    for group, (max_lr, min_lr) in zip(optimizer.param_groups, bounds, strict=True):
+        for key, value in (("max_lr", max_lr), ("min_lr", min_lr)):
+            if value is not None:
+                group[key] = value
 
 
 def _current_lr(optimizer: Any) -> float:

@@ -189,3 +189,32 @@ def test_a_missing_package_is_refused_in_one_line(
 def test_bad_metrics_flags_are_refused(argv, flag):
     with pytest.raises(ValueError, match=flag):
         _validated(argv)
+
+
+def test_skipped_steps_and_the_loss_scale_are_recorded(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    interval = LogInterval()
+    for it, ok in ((1, False), (2, True), (3, False)):
+        interval.add(
+            iteration=it,
+            elapsed_s=0.5,
+            num_tokens=100,
+            microbatch_counts=[1, 2],
+            pair=torch.tensor([10.0, 4.0], dtype=torch.float64),
+            grad_norm=None if not ok else 1.0,
+            learning_rate=1e-3,
+            update_successful=ok,
+        )
+    pairs = torch.stack(interval.pairs)
+    figures = interval.figures(
+        pairs=pairs, global_batch_size=8, telemetry=None, eta_s=0.0, loss_scale=1024.0
+    )
+    assert "number of skipped iterations:   2 | loss scale: 1024.0" in figures.line(10)
+    writer = MetricsWriter(SummaryWriter(str(tmp_path)), None, tensorboard_log_interval=1)
+    writer.write(figures)
+    writer.close()
+    scalars = _scalars(tmp_path)
+    assert scalars["skipped-iterations"] == {3: 2.0}
+    assert scalars["loss-scale"] == {3: 1024.0}
+    assert "(every step of the interval)" not in figures.line(10)

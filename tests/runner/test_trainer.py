@@ -421,3 +421,88 @@ def test_backends_and_plans_train_the_same_model(tmp_path):
                 assert loss == pytest.approx(reference[it], rel=1e-4), (name, it)
     assert sorted(results[0]["odc lb_mini"]) == list(range(1, 7))
     assert sorted(results[0]["pretrain odc"]) == list(range(1, 6))
+
+
+# Resume and skipped steps (issue 37, items 2 and 3) #
+
+
+def _torchrun_status(argv: list[str], cwd: Path, shm: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["timeout", "150", *_torchrun_command("megatron_odc.train", argv)],
+        cwd=cwd,
+        env=_clean_env(shm),
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+
+
+def _logged_lrs(stdout: str) -> dict[int, float]:
+    return {int(m[0]): float(m[3]) for m in ITERATION_LINE.findall(stdout)}
+
+
+def _cosine_lr(num_samples: int, *, max_lr: float, warmup: int, decay: int) -> float:
+    """Megatron's cosine schedule after warmup, min_lr the entry's default (--lr / 10)."""
+    min_lr = max_lr / 10
+    ratio = (num_samples - warmup) / (decay - warmup)
+    return min_lr + 0.5 * (math.cos(math.pi * ratio) + 1.0) * (max_lr - min_lr)
+
+
+def test_a_resume_that_changes_the_schedule_needs_a_flag_saying_which_wins(tmp_path, shm_dir):
+    """Megatron-LM's rule: new --lr / --train-iters on --load are refused in one line naming them;
+    --override-opt_param-scheduler applies the new schedule from the checkpoint's iteration on,
+    --use-checkpoint-opt_param-scheduler keeps the saved one. Before, the checkpoint's schedule won
+    silently (a longer run kept the old minimum LR for every new iteration)."""
+    ckpt = str(tmp_path / "ckpt")
+    tiny = ["--num-layers", "1", "--hidden-size", "32", "--seq-length", "64"]
+    tiny += ["--global-batch-size", "8", "--synthetic-num-samples", "64", "--log-interval", "1"]
+    _torchrun(
+        [*tiny, "--train-iters", "6", "--save", ckpt, "--exit-interval", "3"], tmp_path, shm_dir
+    )
+    changed = [*tiny, "--train-iters", "8", "--lr", "1e-3", "--load", ckpt, "--exit-interval", "5"]
+
+    refused = _torchrun_status(changed, tmp_path, shm_dir)
+    assert refused.returncode != 0, refused.stdout[-2000:] + refused.stderr[-3000:]
+    errors = [line for line in refused.stderr.splitlines() if "megatron_odc.train: error:" in line]
+    assert len(errors) == 1, refused.stderr[-3000:]
+    assert "--lr: 0.001 (checkpoint: 0.003)" in errors[0], errors
+    assert "--lr-decay-iters, default --train-iters (in samples): 64 (checkpoint: 48)" in errors[0]
+    assert "--override-opt_param-scheduler" in errors[0]
+    assert "--use-checkpoint-opt_param-scheduler" in errors[0]
+    assert "iteration" not in "".join(ITERATION_LINE.findall(refused.stdout))
+
+    # Iteration 5 updates with the LR after 4 x 8 samples: warmup (3 x 8) done, cosine decay.
+    flags_win = _logged_lrs(
+        _torchrun([*changed, "--override-opt_param-scheduler"], tmp_path, shm_dir)
+    )
+    assert sorted(flags_win) == [4, 5]
+    assert flags_win[4] == pytest.approx(1e-3, rel=1e-6)  # the end of warmup at the new peak
+    assert flags_win[5] == pytest.approx(_cosine_lr(32, max_lr=1e-3, warmup=24, decay=64), rel=1e-6)
+    saved_wins = _logged_lrs(
+        _torchrun([*changed, "--use-checkpoint-opt_param-scheduler"], tmp_path, shm_dir)
+    )
+    assert saved_wins[5] == pytest.approx(
+        _cosine_lr(32, max_lr=3e-3, warmup=24, decay=48), rel=1e-6
+    )
+
+
+def test_a_run_whose_every_step_was_skipped_does_not_exit_0(tmp_path, shm_dir):
+    """fp16 with a loss scale that overflows every step: each line says every step of its interval
+    was skipped and shows the loss scale; the run ends with one error, exit status 2 on each rank
+    (it trained nothing). Before: loss flat, 'training finished', exit 0."""
+    argv = ["--num-layers", "1", "--hidden-size", "32", "--seq-length", "64"]
+    argv += ["--global-batch-size", "8", "--synthetic-num-samples", "64", "--log-interval", "1"]
+    argv += ["--fp16", "--loss-scale", "1e30", "--train-iters", "3"]
+    proc = _torchrun_status(argv, tmp_path, shm_dir)
+    assert proc.returncode != 0, proc.stdout[-2000:] + proc.stderr[-3000:]  # torchrun: 1
+    lines = [line for line in proc.stdout.splitlines() if "number of skipped iterations" in line]
+    assert len(lines) == 3, proc.stdout[-3000:]
+    for line in lines:
+        assert "number of skipped iterations:   1 (every step of the interval)" in line, line
+        scale = re.search(r"loss scale: ([\d.]+)", line)
+        assert scale is not None and float(scale.group(1)) == pytest.approx(1e30, rel=1e-6), line
+        assert "learning rate: 0.000000E+00" in line, line  # a skipped step keeps the schedule
+    errors = [line for line in proc.stderr.splitlines() if "megatron_odc.train: error:" in line]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert "every optimizer step of this run was skipped (iterations 1-3" in errors[0]
+    assert "training finished" not in proc.stdout
