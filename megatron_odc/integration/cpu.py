@@ -1,4 +1,4 @@
-"""CPU runtime for megatron-core 0.16.x: explicit, reversible patches so its CUDA-only code runs under gloo.
+"""CPU runtime for megatron-core: explicit, reversible patches so its CUDA-only code runs under gloo.
 
 megatron-core assumes a CUDA device in a handful of places that have nothing to do with the maths. This
 module replaces exactly those places, only when :func:`apply_cpu_patches` is called (never on import),
@@ -35,6 +35,14 @@ What each patch is for (the facts behind them: docs/architecture.md, section 3):
    data.broadcast_data``, ``DistributedOptimizer`` state gathering, optimizer state reloads.
 5. ``torch.cuda.synchronize`` / ``empty_cache`` -> no-ops: ``parallel_state`` (timeouts), DDP grad-buffer
    offload, checkpoint save paths.
+8. (0.17 and later) ``torch.cuda.current_stream`` -> a stream stand-in whose ``wait_event`` /
+   ``wait_stream`` / ``synchronize`` / ``record_event`` do nothing (CPU work is ordered already):
+   0.19's ``_ParamAndGradBucketGroup.start_grad_sync`` asks for it on every call (to wait for CUDA-graph
+   wgrad events), 0.17 / 0.18 under ``overlap_grad_reduce``.
+
+Which of them a release needs is its row's ``cpu_shims`` in ``mcore/releases.py`` (names of
+:data:`CPU_SHIMS`); a shim whose megatron-core target is missing (an untested release under
+``MEGATRON_ODC_SKIP_VERSION_CHECK=1``) is skipped with a warning and named in ``CpuPatches.skipped``.
 6. (Not a patch of this module) megatron-core's own optimizers check ``param.type()`` names: the
    adapter scopes ``cuda_type_names`` (``mcore/cpu_optimizers.py``) around them whenever the model is
    on CPU, whether these patches are applied or not.
@@ -67,18 +75,29 @@ enter :class:`DeviceRemapMode` there yourself. Revert from the thread that appli
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
-import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megatron_odc.mcore.releases import SKIP_VERSION_CHECK_ENV, Release, current_release
+
+__all__ = [
+    "CPU_SHIMS",
+    "SKIP_VERSION_CHECK_ENV",
+    "CpuPatches",
+    "DeviceRemapMode",
+    "active_cpu_patches",
+    "apply_cpu_patches",
+    "check_megatron_version",
+    "cpu_runtime",
+]
+
 logger = logging.getLogger(__name__)
 
-SKIP_VERSION_CHECK_ENV = "MEGATRON_ODC_SKIP_VERSION_CHECK"
-SUPPORTED_MEGATRON_SERIES = "0.16"
 _ACTIVE_HANDLE_ATTR = "_megatron_odc_cpu_patches"
 _MISSING = object()
 
@@ -180,22 +199,43 @@ def _cpu_set_rng_state(new_state: torch.Tensor, *args: Any, **kwargs: Any) -> No
     torch.set_rng_state(new_state)
 
 
+class _CpuStream:
+    """``torch.cuda.current_stream()`` on CPU (shim 8): CPU work is already in order, so every wait,
+    record and synchronize is a no-op and ``query`` is always done."""
+
+    device = torch.device("cpu")
+
+    def wait_event(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record_event(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+def _cpu_current_stream(*args: Any, **kwargs: Any) -> _CpuStream:
+    return _CpuStream()
+
+
 def check_megatron_version() -> str:
-    """Return the installed megatron-core version; refuse anything but 0.16.x.
+    """Return the installed megatron-core version; refuse one outside the supported range.
 
     Raises:
-        ValueError: megatron-core is not 0.16.x and ``MEGATRON_ODC_SKIP_VERSION_CHECK=1`` is not set.
+        ValueError: megatron-core is outside ``mcore/releases.py``'s ``SUPPORTED_RANGE`` and
+            ``MEGATRON_ODC_SKIP_VERSION_CHECK=1`` is not set (one line naming the range).
     """
-    from megatron.core import package_info
+    from megatron_odc.mcore.releases import installed_version
 
-    version = package_info.__version__
-    series = ".".join(version.split(".")[:2])
-    if series != SUPPORTED_MEGATRON_SERIES and os.environ.get(SKIP_VERSION_CHECK_ENV) != "1":
-        raise ValueError(
-            f"megatron_odc.integration.cpu supports megatron-core {SUPPORTED_MEGATRON_SERIES}.x, found "
-            f"{version}: the patched names may have moved. Set {SKIP_VERSION_CHECK_ENV}=1 to try anyway."
-        )
-    return version
+    current_release()
+    return installed_version()
 
 
 class CpuPatches:
@@ -203,11 +243,14 @@ class CpuPatches:
 
     Attributes:
         patched: ``"module.attr"`` names of every replaced attribute, in the order they were patched.
+        skipped: megatron-core names a shim of the release's row would have patched but that are
+            missing (only under ``MEGATRON_ODC_SKIP_VERSION_CHECK=1``, with an untested release).
         mode: the device-remap mode pushed on the applying thread's torch-function mode stack.
     """
 
     def __init__(self) -> None:
         self.patched: list[str] = []
+        self.skipped: list[str] = []
         self.mode = DeviceRemapMode()
         # (owner, attr, qualified name, value in owner.__dict__ before, or _MISSING)
         self._saved: list[tuple[Any, str, str, Any]] = []
@@ -223,33 +266,25 @@ class CpuPatches:
         setattr(owner, attr, value)
         self.patched.append(qualname)
 
-    def _apply(self) -> None:
-        import megatron.core.tensor_parallel.random as mcore_random
-        from megatron.core.transformer import torch_norm
+    def _patch_target(self, module: str, attr: str, value: Any) -> None:
+        """Patch ``module.attr`` (a megatron-core name); skip it with a warning where it is missing."""
+        qualname = f"{module}.{attr}"
+        owner: Any
+        try:
+            owner = importlib.import_module(module)
+        except ImportError as exc:
+            owner, reason = None, f"{module} does not import ({exc})"
+        else:
+            reason = f"{module} has no {attr}"
+        if owner is None or not hasattr(owner, attr):
+            logger.warning("CPU runtime: %s is not patched: %s", qualname, reason)
+            self.skipped.append(qualname)
+            return
+        self._patch(owner, attr, qualname, value)
 
-        current_device = _make_current_device(self)
-        cuda = torch.cuda
-        self._patch(cuda, "current_device", "torch.cuda.current_device", current_device)
-        self._patch(cuda, "manual_seed", "torch.cuda.manual_seed", _cpu_manual_seed)
-        self._patch(cuda, "get_rng_state", "torch.cuda.get_rng_state", _cpu_get_rng_state)
-        self._patch(cuda, "set_rng_state", "torch.cuda.set_rng_state", _cpu_set_rng_state)
-        self._patch(cuda, "synchronize", "torch.cuda.synchronize", _noop)
-        self._patch(cuda, "empty_cache", "torch.cuda.empty_cache", _noop)
-        name = "megatron.core.tensor_parallel.random"
-        self._patch(
-            mcore_random, "_get_cuda_rng_state", f"{name}._get_cuda_rng_state", _cpu_get_rng_state
-        )
-        self._patch(
-            mcore_random, "_set_cuda_rng_state", f"{name}._set_cuda_rng_state", _cpu_set_rng_state
-        )
-        self._patch(torch.Tensor, "cuda", "torch.Tensor.cuda", _identity)
-        self._patch(torch.nn.Module, "cuda", "torch.nn.Module.cuda", _identity)
-        self._patch(
-            torch_norm.WrappedTorchNorm,
-            "__new__",
-            "megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__",
-            staticmethod(sequence_parallel_norm_new),
-        )
+    def _apply(self, release: Release) -> None:
+        for name in release.cpu_shims:
+            CPU_SHIMS[name](self)
         self.mode.__enter__()
         self._active = True
 
@@ -289,6 +324,65 @@ def _make_current_device(handle: CpuPatches) -> Callable[[], str]:
     return current_device
 
 
+def _shim_current_device(handle: CpuPatches) -> None:
+    handle._patch(
+        torch.cuda, "current_device", "torch.cuda.current_device", _make_current_device(handle)
+    )
+
+
+def _shim_cuda_rng(handle: CpuPatches) -> None:
+    cuda = torch.cuda
+    handle._patch(cuda, "manual_seed", "torch.cuda.manual_seed", _cpu_manual_seed)
+    handle._patch(cuda, "get_rng_state", "torch.cuda.get_rng_state", _cpu_get_rng_state)
+    handle._patch(cuda, "set_rng_state", "torch.cuda.set_rng_state", _cpu_set_rng_state)
+
+
+def _shim_megatron_rng(handle: CpuPatches) -> None:
+    module = "megatron.core.tensor_parallel.random"
+    handle._patch_target(module, "_get_cuda_rng_state", _cpu_get_rng_state)
+    handle._patch_target(module, "_set_cuda_rng_state", _cpu_set_rng_state)
+
+
+def _shim_cuda_no_ops(handle: CpuPatches) -> None:
+    handle._patch(torch.cuda, "synchronize", "torch.cuda.synchronize", _noop)
+    handle._patch(torch.cuda, "empty_cache", "torch.cuda.empty_cache", _noop)
+
+
+def _shim_cuda_moves_are_identity(handle: CpuPatches) -> None:
+    handle._patch(torch.Tensor, "cuda", "torch.Tensor.cuda", _identity)
+    handle._patch(torch.nn.Module, "cuda", "torch.nn.Module.cuda", _identity)
+
+
+def _shim_sequence_parallel_norm(handle: CpuPatches) -> None:
+    qualname = "megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__"
+    try:
+        from megatron.core.transformer import torch_norm
+
+        owner = torch_norm.WrappedTorchNorm
+    except (ImportError, AttributeError) as exc:
+        logger.warning("CPU runtime: %s is not patched: %s", qualname, exc)
+        handle.skipped.append(qualname)
+        return
+    handle._patch(owner, "__new__", qualname, staticmethod(sequence_parallel_norm_new))
+
+
+def _shim_current_stream(handle: CpuPatches) -> None:
+    handle._patch(torch.cuda, "current_stream", "torch.cuda.current_stream", _cpu_current_stream)
+
+
+CPU_SHIMS: dict[str, Callable[[CpuPatches], None]] = {
+    "current_device": _shim_current_device,  # 1
+    "cuda_rng": _shim_cuda_rng,  # 2: torch.cuda's generator calls
+    "megatron_rng": _shim_megatron_rng,  # 2: tensor_parallel.random's private ones
+    "cuda_no_ops": _shim_cuda_no_ops,  # 5
+    "cuda_moves_are_identity": _shim_cuda_moves_are_identity,  # 4
+    "sequence_parallel_norm": _shim_sequence_parallel_norm,  # 7
+    "current_stream": _shim_current_stream,  # 8
+}
+"""Every CPU shim by the name a release's row (``mcore/releases.py``, ``cpu_shims``) lists it under,
+numbered as in the module docstring; the device-remap mode (3) is always on."""
+
+
 def _remove_mode_from_stack(mode: TorchFunctionMode) -> None:
     """Pop ``mode`` off this thread's torch-function mode stack, keeping any modes pushed above it."""
     stack_len = torch._C._len_torch_function_stack()
@@ -321,15 +415,15 @@ def apply_cpu_patches() -> CpuPatches:
     ``revert`` then undoes them for every caller). Usable as ``with apply_cpu_patches(): ...``.
 
     Raises:
-        ValueError: megatron-core is not 0.16.x (see :func:`check_megatron_version`).
+        ValueError: megatron-core is outside the supported range (see :func:`check_megatron_version`).
     """
     active = active_cpu_patches()
     if active is not None and active.active:
         return active
-    version = check_megatron_version()
+    release = current_release()
     handle = CpuPatches()
-    handle._apply()
-    logger.debug("applied %d CPU patches for megatron-core %s", len(handle.patched), version)
+    handle._apply(release)
+    logger.debug("applied %d CPU patches for megatron-core %s", len(handle.patched), release.name)
     return handle
 
 
@@ -338,8 +432,10 @@ def cpu_runtime() -> Iterator[CpuPatches | None]:
     """The CPU patches for the block on a machine without CUDA; nothing on a GPU machine.
 
     Patches someone else applied stay applied (and are yielded); patches applied here are reverted on
-    exit. The entry points (``python -m megatron_odc.train``) run training inside it.
+    exit. A megatron-core outside the supported range is refused first, with or without CUDA. The
+    entry points (``python -m megatron_odc.train``) run training inside it.
     """
+    current_release()  # an unsupported megatron-core is refused here, on GPUs too
     if torch.cuda.is_available():
         yield None
         return

@@ -220,6 +220,17 @@ UNSUPPORTED: Mapping[str, Unsupported] = {
         ODC_ENGINE_BACKENDS,
         "the ODC optimizer keeps fp32 main shards",
     ),
+    "cuda_graph": Unsupported(
+        "--cuda-graph-impl local/transformer_engine/full_iteration (CUDA graphs)",
+        ODC_ENGINE_BACKENDS,
+        "a captured graph replays one static schedule on every rank, while ODC ranks run their own "
+        "microbatch counts and fetch parameters on demand; use --cuda-graph-impl none",
+    ),
+    "optimizer_cuda_graph": Unsupported(
+        "--optimizer-cuda-graph",
+        ODC_ENGINE_BACKENDS,
+        "the ODC optimizer steps its owned shards outside a captured graph; leave it off",
+    ),
 }
 """Setting (the ``args`` / config attribute) -> what a backend refuses about it. A setting is on when
 it is ``True`` or, for the ``*_size`` ones, larger than 1. Pipeline stages themselves are not refused

@@ -36,10 +36,12 @@ from megatron_odc.core.engine import ODCEngine
 from megatron_odc.core.fp8 import check_fp8_recipe
 from megatron_odc.core.groups import build_topology
 from megatron_odc.core.hooks import ODCHooks
+from megatron_odc.core.state import BucketState
 from megatron_odc.core.telemetry import format_line, reduce_across
 from megatron_odc.mcore.config import LOCKSTEP_TRANSPORT, ODCConfig, refuse_unsupported
 from megatron_odc.mcore.fp8_te import select_fp8_codec
 from megatron_odc.mcore.pipeline import TiedEmbedding, shared_embedding_names
+from megatron_odc.mcore.releases import current_release
 from megatron_odc.mcore.units import ROOT_UNIT, model_units, tp_replicated
 from megatron_odc.transport import build_transport, resolve_transport_name
 from megatron_odc.transport.devices import all_reduce_on_group_device
@@ -70,6 +72,9 @@ def check_supported(
         use_megatron_fsdp=ddp_config.use_megatron_fsdp,
         overlap_param_gather=ddp_config.overlap_param_gather,
         delay_wgrad_compute=getattr(config, "delay_wgrad_compute", False),
+        cuda_graph=getattr(config, "cuda_graph_impl", "none") != "none"
+        or getattr(config, "enable_cuda_graph", False)
+        or getattr(config, "external_cuda_graph", False),
     )
 
 
@@ -84,6 +89,8 @@ class ODCDataParallel(DistributedDataParallel):
             same weights.
         disable_bucketing: accepted for signature compatibility; ODC buckets by unit and size.
         pg_collection: optional process groups (``dp``, ``tp`` and ``embd`` are used).
+        full_param_layout: megatron-core 0.18+'s precomputed DDP buffer layout (Megatron-LM passes one
+            only for its distributed and layer-wise optimizers); refused unless None.
         odc_config: ODC's own options (default ``ODCConfig()``); ``shard_group_size`` splits the DP
             group into shard groups x replica groups (``core/groups.py``).
     """
@@ -95,12 +102,20 @@ class ODCDataParallel(DistributedDataParallel):
         module: torch.nn.Module,
         disable_bucketing: bool = False,
         pg_collection=None,
+        full_param_layout=None,
         *,
         odc_config: ODCConfig | None = None,
     ) -> None:
+        current_release()  # refuses a megatron-core outside the supported range, in one line
         _BaseDataParallel.__init__(self, config=config, module=module)
         odc_config = odc_config or ODCConfig()
         check_supported(config, ddp_config, odc_config)
+        if full_param_layout is not None:
+            raise ValueError(
+                "ODCDataParallel: full_param_layout is megatron-core's precomputed layout of its own "
+                "grad buffers (built for --use-distributed-optimizer and the layer-wise optimizer); "
+                "ODC lays out its own buckets: leave it None"
+            )
         self.ddp_config = ddp_config
         self.odc_config = odc_config
         if pg_collection is not None:
@@ -243,6 +258,24 @@ class ODCDataParallel(DistributedDataParallel):
 
     def start_param_sync(self, *unused, force_sync: bool = False, force_dispatch: bool = False):
         """Parameters are fetched on demand by the hooks; there is no separate param sync."""
+
+    def reset_param_sync_dispatch_state(self) -> None:
+        """(megatron-core 0.19) Nothing to reset: there is no dispatched param sync (megatron-core's
+        distributed optimizer, its only caller, is refused)."""
+
+    def free_overlap_buffers(self) -> None:
+        """(megatron-core 0.17+; Megatron-LM calls it on every chunk before a save) Free the fetched
+        parameter copies this rank holds, ODC's counterpart of DDP's param-gather buffers.
+
+        Between minibatches the engine holds none (the fence released every unit), so there it frees
+        nothing. Inside a minibatch, units in backward and kept units (their gradients accumulate
+        locally until the fence) stay; any other fetched unit is released and fetched again at its
+        next use.
+        """
+        engine = self.engine
+        for unit in engine.layout.units:
+            if engine.unit_state(unit) is not BucketState.PUSHING:
+                engine.release(unit)
 
     def finish_param_sync(self, *unused) -> None:
         """See ``start_param_sync``."""

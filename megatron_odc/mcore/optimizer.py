@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.optimizer import OptimizerConfig
+from megatron.core.optimizer import OptimizerConfig, get_standard_config_overrides
 from megatron.core.optimizer import _get_param_groups as megatron_param_groups
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
 from megatron.core.optimizer.optimizer import MegatronOptimizer
@@ -51,12 +51,16 @@ class OptimizerPiece:
         engine: the engine that owns the run.
         owned: the run.
         counted_in_norm: whether its gradient counts in the global norm on this rank.
+        norm_group: the parameter's separate gradient-norm group (megatron-core 0.19 tags multi-token
+            prediction's parameters ``grad_norm_group="mtp"``: norm and clipping of their own), or
+            None for the main norm.
     """
 
     main: torch.nn.Parameter
     engine: ODCEngine
     owned: OwnedPiece
     counted_in_norm: bool
+    norm_group: str | None = None
 
 
 def _param_is_counted_in_norm(param: torch.nn.Parameter, tp_rank: int, replica_rank: int) -> bool:
@@ -65,6 +69,23 @@ def _param_is_counted_in_norm(param: torch.nn.Parameter, tp_rank: int, replica_r
     if getattr(param, "shared", False) or replica_rank != 0:
         return False
     return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
+
+
+_GRAD_NORM_GROUP_ATTR = "grad_norm_group"
+"""The parameter attribute megatron-core 0.19 tags separate gradient-norm groups with (MTP: ``"mtp"``)."""
+
+
+def _norm_groups_of(model_chunks: list, group: dist.ProcessGroup) -> tuple[str, ...]:
+    """The separate gradient-norm groups of any rank's parameters (with pipeline stages only some
+    stages hold them): one object all-gather, so every rank reduces the same norms at each step."""
+    local = {
+        getattr(p, _GRAD_NORM_GROUP_ATTR, None)
+        for chunk in model_chunks
+        for p in chunk.parameters()
+    } - {None}
+    gathered: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, sorted(local), group=group)
+    return tuple(sorted(set().union(*map(set, gathered))))
 
 
 def fused_multi_tensor(
@@ -116,6 +137,7 @@ class ODCOptimizer(MegatronOptimizer):
             "odc",
             use_distributed_optimizer=config.use_distributed_optimizer,
             use_precision_aware_optimizer=config.use_precision_aware_optimizer,
+            optimizer_cuda_graph=getattr(config, "optimizer_cuda_graph", None),  # 0.17+ field
         )
         self.model_chunks = list(model_chunks)
         self.engines: list[ODCEngine] = [chunk.engine for chunk in self.model_chunks]
@@ -125,6 +147,10 @@ class ODCOptimizer(MegatronOptimizer):
             if parallel_state.model_parallel_is_initialized()
             else 0
         )
+        if config_overrides is None:
+            # get_megatron_optimizer's default (no weight decay on biases and 1-D params, decoupled
+            # lr): megatron-core 0.16/0.17 apply it inside _get_param_groups, 0.18+ only there.
+            config_overrides = get_standard_config_overrides(config)
         groups = megatron_param_groups(self.model_chunks, config, config_overrides)
         group_of_param = {id(p): i for i, g in enumerate(groups) for p in g["params"]}
 
@@ -167,6 +193,7 @@ class ODCOptimizer(MegatronOptimizer):
                         engine,
                         owned,
                         _param_is_counted_in_norm(model_param, self.tp_rank, engine.replica_rank),
+                        getattr(model_param, _GRAD_NORM_GROUP_ATTR, None),
                     )
                 )
             self._main_shards.append(mains)
@@ -216,6 +243,9 @@ class ODCOptimizer(MegatronOptimizer):
             self.grad_scaler = None
         self.device = self.engines[0].device if self.engines else torch.device("cpu")
         self._scale_one = torch.ones(1, dtype=torch.float32, device=self.device)
+        self.norm_groups = _norm_groups_of(self.model_chunks, self.grad_stats_parallel_group)
+        """The separate gradient-norm groups of the model, the same on every rank."""
+        self.grad_norms_by_group: dict[str, float] = {}
         self._mains_follow_model = False
         """Whether the model's shards were loaded after the main shards last were (see
         :meth:`model_params_loaded`): the mains are refreshed from them before they are next read."""
@@ -249,28 +279,68 @@ class ODCOptimizer(MegatronOptimizer):
             self._end_step()  # the step is skipped, but the minibatch still ends with its fence
         return found
 
-    def _sum_over_model(self, per_grad: Callable[[torch.Tensor], torch.Tensor]) -> float:
-        """``per_grad`` summed over every gradient element of the model once (over DP and TP)."""
+    def _sum_over_model(
+        self,
+        per_grad: Callable[[torch.Tensor], torch.Tensor],
+        grads: list[torch.Tensor] | None = None,
+    ) -> float:
+        """``per_grad`` summed over every gradient element of the model once (over DP and TP), or over
+        ``grads`` (this rank's share of one norm group, from :meth:`get_grads_for_grad_norm`)."""
+        if grads is None:
+            grads = [piece.main.grad for piece in self.pieces if piece.counted_in_norm]
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for piece in self.pieces:
-            if piece.counted_in_norm:
-                total += per_grad(piece.main.grad)
+        for grad in grads:
+            total += per_grad(grad)
         all_reduce_on_group_device(total, group=self.grad_stats_parallel_group)
         return float(total)
 
+    def get_grads_for_grad_norm(self, grad_norm_group: str | None = None) -> list[torch.Tensor]:
+        """(megatron-core 0.19) This rank's gradients that count in a norm: the owned pieces counted
+        on this rank (not TP-duplicated, not shared, replica 0 of a hybrid shard) of the main norm
+        (``None``) or of one separate group (``"mtp"``)."""
+        return [
+            piece.main.grad
+            for piece in self.pieces
+            if piece.counted_in_norm and piece.norm_group == grad_norm_group
+        ]
+
+    def get_main_grads_for_grad_norm(self) -> list[torch.Tensor]:
+        """(megatron-core 0.16-0.18) The main norm's gradients: :meth:`get_grads_for_grad_norm`."""
+        return self.get_grads_for_grad_norm()
+
+    def has_grad_norm_group(self, grad_norm_group: str) -> bool:
+        """(megatron-core 0.19) Whether any rank holds parameters of the group (no collective: the
+        groups were agreed once at construction)."""
+        return grad_norm_group in self.norm_groups
+
+    def prepare_model_params_for_param_sync(self) -> None:
+        """(megatron-core 0.19) Nothing to stage: every step already wrote the owned compute-dtype
+        shards that the other ranks fetch."""
+
+    def _norm(self, grad_norm_group: str | None = None) -> float:
+        grads = self.get_grads_for_grad_norm(grad_norm_group)
+        return math.sqrt(self._sum_over_model(lambda g: g.double().pow(2).sum(), grads))
+
     @torch.no_grad()
     def get_grad_norm(self) -> float:
-        """L2 norm of the whole model's gradient (each element once, over DP and TP)."""
-        return math.sqrt(self._sum_over_model(lambda g: g.double().pow(2).sum()))
+        """L2 norm of the model's gradient (each element once, over DP and TP), without the
+        parameters of a separate norm group (as megatron-core 0.19's main norm)."""
+        return self._norm()
 
     @torch.no_grad()
     def clip_grad_norm(self, clip_grad: float) -> float:
-        """Compute the global grad norm and scale the owned gradients down to ``clip_grad``."""
+        """Compute the main grad norm and scale its owned gradients down to ``clip_grad``; each
+        separate norm group (``grad_norms_by_group``) is clipped by its own norm. Returns the main
+        norm."""
         grad_norm = self.get_grad_norm()
-        clip_coeff = clip_grad / (grad_norm + 1.0e-6)
-        if clip_coeff < 1.0:
-            for grad in self._owned_grads():
-                grad.mul_(clip_coeff)
+        self.grad_norms_by_group = {group: self._norm(group) for group in self.norm_groups}
+        norms = {None: grad_norm, **self.grad_norms_by_group}
+        for group, norm in norms.items():
+            clip_coeff = clip_grad / (norm + 1.0e-6)
+            if clip_coeff < 1.0:
+                for piece in self.pieces:
+                    if piece.norm_group == group:
+                        piece.main.grad.mul_(clip_coeff)
         return grad_norm
 
     @torch.no_grad()
@@ -304,6 +374,16 @@ class ODCOptimizer(MegatronOptimizer):
         if not math.isfinite(grad_norm):
             logger.warning("ODC optimizer: non-finite grad norm %s; the step still runs", grad_norm)
         num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else 0
+        # megatron-core 0.18+ OptimizerConfig field (ChainedOptimizer.step's meaning); absent: off.
+        skip_above = getattr(self.config, "grad_norm_skip_threshold", math.inf)
+        if math.isfinite(skip_above) and grad_norm > skip_above:
+            logger.info(
+                "ODC optimizer: grad norm %s is above grad_norm_skip_threshold %s; update skipped",
+                grad_norm,
+                skip_above,
+            )
+            self._end_step()  # no update, but the minibatch still ends with its fence
+            return False, grad_norm, num_zeros
         success = self.step_with_ready_grads()
         return success, grad_norm, num_zeros
 

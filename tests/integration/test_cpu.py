@@ -40,6 +40,7 @@ def _resolve_owner(qualname: str) -> tuple[object, str]:
 def test_apply_revert_restores_every_attribute_and_the_mode_stack():
     from megatron_odc.integration import cpu
     from megatron_odc.integration.cpu import DeviceRemapMode, active_cpu_patches, apply_cpu_patches
+    from megatron_odc.mcore.releases import current_release
 
     assert active_cpu_patches() is None
     stack_len = torch._C._len_torch_function_stack()
@@ -60,7 +61,11 @@ def test_apply_revert_restores_every_attribute_and_the_mode_stack():
             "torch.nn.Module.cuda",
             "megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__",
         }
+        if "current_stream" in current_release().cpu_shims:  # 0.17 and later
+            expected.add("torch.cuda.current_stream")
+            assert torch.cuda.current_stream().query()
         assert set(handle.patched) == expected
+        assert handle.skipped == []
         assert len(handle.patched) == len(expected)
         originals = {name: before for (_, _, name, before) in handle._saved}
         # Behaviour while applied.
@@ -133,7 +138,10 @@ def test_revert_keeps_a_mode_pushed_above_and_works_as_context_manager():
     assert torch.cuda.current_device.__module__.startswith("torch")
 
 
-def test_version_check_refuses_other_megatron_versions(monkeypatch):
+def test_version_check_refuses_releases_outside_the_range(monkeypatch):
+    """Outside ``mcore/releases.py``'s range: one line naming the range, nothing patched; with the skip
+    variable the nearest row's shims apply (``tests/mcore/test_releases.py`` has the table's own tests).
+    """
     from megatron.core import package_info
 
     from megatron_odc.integration.cpu import (
@@ -141,17 +149,24 @@ def test_version_check_refuses_other_megatron_versions(monkeypatch):
         active_cpu_patches,
         apply_cpu_patches,
     )
+    from megatron_odc.mcore.releases import SUPPORTED_RANGE
 
     before = torch.cuda.current_device
-    monkeypatch.setattr(package_info, "__version__", "0.17.0")
     monkeypatch.delenv(SKIP_VERSION_CHECK_ENV, raising=False)
-    with pytest.raises(ValueError, match=r"0\.16\.x, found 0\.17\.0"):
-        apply_cpu_patches()
-    assert torch.cuda.current_device is before
-    assert active_cpu_patches() is None
+    for version in ("0.20.0", "0.15.3", "0.16.0"):
+        monkeypatch.setattr(package_info, "__version__", version)
+        with pytest.raises(ValueError, match=rf"megatron-core {version} is not supported") as info:
+            apply_cpu_patches()
+        assert SUPPORTED_RANGE in str(info.value)
+        assert "\n" not in str(info.value)
+        assert SKIP_VERSION_CHECK_ENV in str(info.value)
+        assert torch.cuda.current_device is before
+        assert active_cpu_patches() is None
     monkeypatch.setenv(SKIP_VERSION_CHECK_ENV, "1")
-    with apply_cpu_patches():
+    monkeypatch.setattr(package_info, "__version__", "0.20.0")
+    with apply_cpu_patches() as handle:
         assert torch.cuda.current_device() == "cpu"
+        assert "torch.cuda.current_stream" in handle.patched  # the newest row's shims
     assert torch.cuda.current_device is before
     monkeypatch.setattr(package_info, "__version__", "0.16.7")
     monkeypatch.delenv(SKIP_VERSION_CHECK_ENV)
