@@ -49,10 +49,11 @@ def export_checkpoint(
         args = validate_args(build_parser().parse_args(argv), world_size=1)
     except ValueError as exc:  # the user passed HF_DIR as --hf-config, not the training flag
         raise ValueError(str(exc).replace("--load-hf", "--hf-config")) from None
-    iteration = checkpoint.latest_iteration(load_dir)
-    if iteration is None:
+    tracked = checkpoint.latest_checkpoint(load_dir)  # a Megatron-LM release: release/
+    if tracked is None:
         raise ValueError(f"no checkpoint in {load_dir}: {checkpoint.TRACKER_FILENAME} is missing")
-    vocab_size = checkpoint_vocab_size(checkpoint.iteration_dir(load_dir, iteration))
+    iteration = tracked.iteration
+    vocab_size = checkpoint_vocab_size(tracked.directory)
     own_group = not dist.is_initialized()
     with tempfile.TemporaryDirectory() as store:
         if own_group:

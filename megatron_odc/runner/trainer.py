@@ -48,7 +48,7 @@ from megatron_odc.mcore.model import FP8Settings, GPTConfig, build_gpt_model, wi
 from megatron_odc.mcore.parallel import DataParallelCoordinates, model_parallel
 from megatron_odc.mcore.pipeline import from_last_stage
 from megatron_odc.mcore.step import gpt_forward_step, train_step
-from megatron_odc.runner import checkpoint, errors
+from megatron_odc.runner import checkpoint, errors, save_lock
 from megatron_odc.runner.data_pipeline import DataPipeline
 from megatron_odc.runner.health import HealthMonitor, default_store
 from megatron_odc.runner.log import LogInterval, setup_logging
@@ -112,11 +112,15 @@ def train(args: argparse.Namespace) -> TrainResult:
         ).start()
         finished = False
         try:
-            with model_parallel(
-                args.tensor_model_parallel_size,
-                args.pipeline_model_parallel_size,
-                timeout_minutes=args.distributed_timeout_minutes,
-            ) as coordinates:
+            # One job per --save directory (save_lock.py): taken before anything is built.
+            with (
+                save_lock.hold(args.save),
+                model_parallel(
+                    args.tensor_model_parallel_size,
+                    args.pipeline_model_parallel_size,
+                    timeout_minutes=args.distributed_timeout_minutes,
+                ) as coordinates,
+            ):
                 device = torch.device("cuda") if on_cuda else torch.device("cpu")
                 trainer = Trainer(args, coordinates, device, health)
                 try:
@@ -387,11 +391,18 @@ class Trainer:
             return 0
         built_lrs = _group_lr_bounds(self.optimizer)  # this run's, before the load replaces them
         iteration, extra = checkpoint.load_checkpoint(
-            args.load, self.model, self.optimizer, finetune=args.finetune
+            args.load,
+            self.model,
+            self.optimizer,
+            finetune=args.finetune,
+            train_iters=args.train_iters,  # a resume beyond --train-iters is refused
         )
-        if args.finetune:
+        if args.finetune or checkpoint.is_release(args.load):  # release: weights only, iteration 0
             logger.info(
-                "loaded the weights of iteration %d from %s (--finetune)", latest, args.load
+                "loaded the weights of iteration %d from %s (%s)",
+                latest,
+                args.load,
+                "--finetune" if args.finetune else "a release checkpoint",
             )
             return 0
         if self._check_schedule(extra.get("scheduler"), iteration) == "flags":

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.core import CheckpointingException  # noqa: F401 (callers catch it)
 from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedTensor
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.utils import unwrap_model
@@ -36,7 +37,7 @@ from megatron_odc.mcore.cpu_optimizers import (
     megatron_optimizer_scope,
 )
 from megatron_odc.mcore.data_parallel import ODCDataParallel
-from megatron_odc.mcore.dist_ckpt import optimizer_state, writer_processes
+from megatron_odc.mcore.dist_ckpt import layout, optimizer_state, writer_processes
 from megatron_odc.mcore.dist_ckpt.model_state import odc_model_sharded_state_dict, write_back
 from megatron_odc.mcore.optimizer import ODCOptimizer
 
@@ -107,6 +108,7 @@ def load(
         ValueError: the checkpoint does not fit (a tensor is missing or has another shape, named), holds
             no optimizer state, or holds one the optimizer cannot read.
     """
+    layout.check(checkpoint_dir)  # a missing or foreign file named before megatron-core reads
     gpt = unwrap_model(model)
     is_odc = isinstance(model, ODCDataParallel)
     state: dict[str, Any] = {}
