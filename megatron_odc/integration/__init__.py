@@ -1,6 +1,6 @@
 """Where megatron-odc meets code it does not own, at run time and only when asked.
 
-- ``cpu``: megatron-core 0.16.x on CPU under gloo (explicit, reversible patches; ``cpu_runtime``);
+- ``cpu``: megatron-core on CPU under gloo (explicit, reversible patches per release; ``cpu_runtime``);
 - ``megatron_lm/``: ``--dp-backend odc`` in Megatron-LM's own training loop (``core_v0.16.1``);
 - ``launch``: ``python -m megatron_odc.launch SCRIPT``, a Megatron-LM script with the patches.
 

@@ -1,6 +1,7 @@
 """The megatron-core adapter: the only layer that imports ``megatron.core`` (besides the integrations).
 
 - ``config``: the backends, ``ODCConfig`` and every refusal, written once (no megatron import);
+- ``releases``: the supported megatron-core releases and every difference between them, one table;
 - ``units``: which modules of a model are ODC units, and the TP-replicated parameters;
 - ``data_parallel``: ``ODCDataParallel``, megatron-core's DP-wrapper contract over the engine;
 - ``optimizer``: ``ODCOptimizer``, Megatron's optimizer surface over the owned shards;
