@@ -4,8 +4,15 @@ diagnosis that names the ranks a failed rank was waiting for.
 [Note: rank health]
 - Each rank runs a daemon thread that writes its record (pid, host, iteration, phase, wall time) into
   the job's ``torch.distributed`` store every :data:`HEARTBEAT_PERIOD_S` and whenever the training loop
-  enters a phase (:meth:`HealthMonitor.phase`). The store outlives any one rank under torchrun (the
-  agent hosts it), so a stopped (SIGSTOP) or killed rank leaves its last record behind.
+  enters a phase (:meth:`HealthMonitor.phase` hands the record to the thread and waits at most
+  :data:`PUBLISH_WAIT_S` for it to be written: the training thread itself never writes to the store,
+  so a store that is gone, with its launcher, cannot stall it). The store outlives
+  any one rank under torchrun (the agent hosts it), so a stopped (SIGSTOP) or killed rank leaves its
+  last record behind.
+- The same thread ends the rank when its launcher is gone: the process that started it (torchrun's
+  agent, ``mpiexec``'s proxy, the test harness) is no longer its parent. Left alone, orphaned ranks
+  trained on without their agent, wrote into a dead store and saved into a ``--save`` directory that a
+  requeued job was using. It logs one line and exits with :data:`EXIT_LAUNCHER_GONE` within a heartbeat.
 - When a rank fails with a collective's error (a gloo timeout, "connection reset by peer", the ODC
   fence's timeout), :meth:`HealthMonitor.diagnose` reads every record and names the peers that died or
   are stopped (their ``/proc`` state, same host) or fell silent (no heartbeat for
@@ -51,6 +58,11 @@ DIAGNOSIS_WAIT_S = SILENT_AFTER_S + 2 * HEARTBEAT_PERIOD_S
 """How long a failed rank waits for its peers' records to show which of them is gone."""
 EXIT_PEER_FAILURE = 3
 """The exit status of a rank the watchdog ends."""
+EXIT_LAUNCHER_GONE = 4
+"""The exit status of a rank whose launcher died."""
+PUBLISH_WAIT_S = 0.5
+"""How long entering a phase waits for the heartbeat thread to write the record (a peer that dies
+right after must find this rank's phase in the store)."""
 UNWATCHED_PHASES = ("save", "load")
 """Phases the watchdog never cuts short (their length scales with the model)."""
 _KEY_PREFIX = "megatron_odc/health/"
@@ -137,7 +149,14 @@ class HealthMonitor:
         self._phase = "start-up"
         self._phase_since = time.monotonic()
         self._lock = threading.Lock()  # the store client is shared by this thread and the main one
+        self._launcher_pid = os.getppid()
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a phase changed: publish now
+        self._published = threading.Condition()
+        self._requested_seq = (
+            0  # records asked for by phase changes, and written (under the condition)
+        )
+        self._published_seq = 0
         self._thread = threading.Thread(
             target=self._beat, name=f"megatron_odc-health-rank{rank}", daemon=True
         )
@@ -148,11 +167,12 @@ class HealthMonitor:
         return self
 
     def stop(self, *, finished: bool) -> None:
-        """Stop the heartbeat; ``finished`` records that this rank ended normally."""
-        self._stop.set()
-        self._thread.join(timeout=5 * self.period_s)
+        """Stop the heartbeat after its last record; ``finished`` records that this rank ended normally."""
         if finished:
-            self._set_phase("finished", self._iteration)
+            self._phase = "finished"
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=5 * self.period_s)
 
     @contextlib.contextmanager
     def phase(self, name: str, iteration: int | None = None) -> Iterator[None]:
@@ -165,7 +185,15 @@ class HealthMonitor:
     def _set_phase(self, name: str, iteration: int) -> None:
         self._phase, self._iteration = name, iteration
         self._phase_since = time.monotonic()
-        self._publish()
+        # The heartbeat thread writes it; wait a little for that (see [Note: rank health]).
+        with self._published:
+            self._requested_seq += 1
+            wanted = self._requested_seq
+            self._wake.set()
+            if self._thread.is_alive():
+                self._published.wait_for(
+                    lambda: self._published_seq >= wanted, timeout=PUBLISH_WAIT_S
+                )
 
     # ------------------------------------------------------------------ store
 
@@ -232,8 +260,18 @@ class HealthMonitor:
     # ------------------------------------------------------------------ thread
 
     def _beat(self) -> None:
-        while not self._stop.wait(self.period_s):
+        while True:
+            self._wake.wait(self.period_s)
+            self._wake.clear()
+            self.end_if_launcher_gone()
+            with self._published:
+                wanted = self._requested_seq
             self._publish()
+            with self._published:
+                self._published_seq = wanted
+                self._published.notify_all()
+            if self._stop.is_set():
+                return
             stuck_s = time.monotonic() - self._phase_since
             if self._phase in UNWATCHED_PHASES or stuck_s <= self.timeout_s + WATCHDOG_SLACK_S:
                 continue
@@ -252,6 +290,27 @@ class HealthMonitor:
             )
             logging.shutdown()
             os._exit(EXIT_PEER_FAILURE)
+
+    def end_if_launcher_gone(self) -> None:
+        """End this rank, with one line, when its launcher is gone (see [Note: rank health]).
+
+        Also called first when the training thread fails: a peer that ended for the same reason
+        breaks this rank's collectives, and the failure's diagnosis would read the dead store.
+        """
+        parent = os.getppid()
+        if parent == self._launcher_pid:
+            return
+        logger.error(
+            "rank %d: its launcher (pid %d) is gone (the parent is now pid %d); ending this rank "
+            "at iteration %d (%s) instead of training on without it",
+            self.rank,
+            self._launcher_pid,
+            parent,
+            self._iteration,
+            self._phase,
+        )
+        logging.shutdown()
+        os._exit(EXIT_LAUNCHER_GONE)
 
 
 def default_store() -> dist.Store:

@@ -130,6 +130,7 @@ def train(args: argparse.Namespace) -> TrainResult:
             finished = True
             return result
         except Exception as error:
+            health.end_if_launcher_gone()  # a peer ended with its launcher: so does this rank
             errors.settle(error)  # which rank prints a user error (see errors.py)
             if isinstance(error, ValueError):
                 raise
