@@ -23,6 +23,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.nn import functional
 
 from megatron_odc.mcore.config import check_pipeline_layers
+from megatron_odc.mcore.releases import quiet_notices
 
 
 def params_dtype(*, bf16: bool, fp16: bool) -> torch.dtype:
@@ -241,17 +242,18 @@ def build_gpt_model(
         config = dataclasses.replace(
             config, fp8=fp8.fmt, fp8_recipe=fp8.recipe, fp8_param=fp8.param, tp_only_amax_red=True
         )
-    return GPTModel(
-        config=config,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-        transformer_layer_spec=spec,
-        vocab_size=cfg.vocab_size,
-        max_sequence_length=cfg.seq_length,
-        share_embeddings_and_output_weights=cfg.share_embeddings_and_output_weights,
-        position_embedding_type=cfg.position_embedding_type,
-        rotary_base=cfg.rotary_base,
-    )
+    with quiet_notices():  # 0.19's "GPTModel IS DEPRECATED" (mcore/releases.py)
+        return GPTModel(
+            config=config,
+            pre_process=parallel_state.is_pipeline_first_stage(),
+            post_process=parallel_state.is_pipeline_last_stage(),
+            transformer_layer_spec=spec,
+            vocab_size=cfg.vocab_size,
+            max_sequence_length=cfg.seq_length,
+            share_embeddings_and_output_weights=cfg.share_embeddings_and_output_weights,
+            position_embedding_type=cfg.position_embedding_type,
+            rotary_base=cfg.rotary_base,
+        )
 
 
 def with_mixed_precision(model: torch.nn.Module) -> torch.nn.Module:

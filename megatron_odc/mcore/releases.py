@@ -21,13 +21,14 @@ and ``requirements-py312.txt`` / ``pyproject.toml``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import inspect
 import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +164,10 @@ class Release:
         common_state_file: the file ``dist_checkpointing.save`` writes the common (every rank's) state
             to, or None where it is a ``ShardedObject`` ("common_state") inside the torch_dist files
             (0.19; it still reads a legacy ``common.pt``).
+        quiet_notices: ``(logger name, message start)`` of megatron-core log records about choices the
+            plugin made on purpose, dropped while it makes them (:func:`quiet_notices`): 0.19 warns on
+            every ``GPTModel`` that it is deprecated, one more stderr line per rank that would break the
+            entry's one-line errors.
         notes: what changed against the previous row, for people (docs/megatron.md points here).
     """
 
@@ -175,6 +180,7 @@ class Release:
     optimizer_members: tuple[str, ...]
     signatures: Mapping[str, tuple[str, ...]]
     common_state_file: str | None = "common.pt"
+    quiet_notices: tuple[tuple[str, str], ...] = ()
     notes: str = ""
 
     @property
@@ -280,6 +286,7 @@ RELEASES: tuple[Release, ...] = (
         ),
         signatures=_SIGNATURES_019,
         common_state_file=None,
+        quiet_notices=(("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED"),),
         notes="DDP.start_grad_sync calls torch.cuda.current_stream() always (CPU shim); "
         "DDP.reset_param_sync_dispatch_state; MegatronOptimizer.get_main_grads_for_grad_norm -> "
         "get_grads_for_grad_norm(grad_norm_group), has_grad_norm_group (separate MTP norm), "
@@ -392,3 +399,28 @@ def signature_differences(release: Release) -> list[str]:
         if names != expected:
             problems.append(f"{qualified}{names} (the {release.name} row expects {expected})")
     return problems
+
+
+class _DropNotices(logging.Filter):
+    def __init__(self, starts: tuple[str, ...]) -> None:
+        super().__init__()
+        self.starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.getMessage()).startswith(self.starts)
+
+
+@contextlib.contextmanager
+def quiet_notices(release: Release | None = None) -> Iterator[None]:
+    """Drop the release's ``quiet_notices`` (default: the installed release's) inside the block only."""
+    release = release or current_release()
+    filters = []
+    for name, start in release.quiet_notices:
+        notice_filter = _DropNotices((start,))
+        logging.getLogger(name).addFilter(notice_filter)
+        filters.append((name, notice_filter))
+    try:
+        yield
+    finally:
+        for name, notice_filter in filters:
+            logging.getLogger(name).removeFilter(notice_filter)

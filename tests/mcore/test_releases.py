@@ -389,3 +389,21 @@ def test_grad_norm_skip_threshold_skips_the_update(contract) -> None:
     for out in contract:
         assert out["skipped"] == (False, True)
         assert out["skipped_then_trained"]
+
+
+def test_quiet_notices_drop_only_the_named_notice_inside_the_block(caplog) -> None:
+    import logging
+
+    from megatron_odc.mcore.releases import quiet_notices
+
+    newest = RELEASES[-1]
+    ((name, start),) = newest.quiet_notices
+    log = logging.getLogger(name)
+    with caplog.at_level(logging.WARNING, logger=name):
+        with quiet_notices(newest):
+            log.warning("%s. use HybridModel", start)
+            log.warning("another warning")
+        log.warning("%s. after the block", start)
+    messages = [r.getMessage() for r in caplog.records if r.name == name]
+    assert messages == ["another warning", f"{start}. after the block"]
+    assert log.filters == []
