@@ -311,6 +311,13 @@ _OS_ERRORS = {
     errno.EPERM: "operation not permitted",
 }
 _ERRNO_TEXT = re.compile(r"\[Errno (\d+)\] ([^\n]*)")
+_TORCH_WRITE_ERRORS = (
+    "iostream error",
+    "unexpected pos",
+    "file write failed",
+    "StreamWriter failed",
+)
+"""How torch's zip writer words a failed write (it keeps no errno)."""
 _LOW_SPACE_BYTES = 1 << 20
 """Below this much free space a write error without an errno is taken for a full disk."""
 
@@ -378,8 +385,10 @@ def _describe_write_error(exc: BaseException, where: Path, file: str | None) -> 
         found = (0, str(exc))
     if found is None:
         found = _file_system_state(where)
-        if found is None and not isinstance(exc, OSError):
+    if found is None:
+        if not any(marker in str(exc) for marker in _TORCH_WRITE_ERRORS):
             return None
+        found = (0, _first_line(exc))
     filename = file or getattr(exc, "filename", None) or _torch_save_target(exc)
     reason = _os_error_text(*found) if found[0] else found[1]
     return f"{filename or where}: {reason}"

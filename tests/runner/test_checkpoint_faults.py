@@ -153,7 +153,10 @@ def test_os_errors_are_named(tmp_path, monkeypatch):
     zip_error = RuntimeError(
         "[enforce fail at inline_container.cc:664] . unexpected pos 704 vs 598"
     )
-    assert named(zip_error) is None  # plenty of space here: not a file system error, a bug
+    assert named(RuntimeError("a bug")) is None  # plenty of space, no torch write error: a bug
+    # common.pt onto /dev/full under torchrun (measured): named with torch's words
+    stream = RuntimeError("basic_ios::clear: iostream error")
+    assert named(stream, "common.pt") == "common.pt: RuntimeError: basic_ios::clear: iostream error"
 
     class Full:
         f_flag, f_bavail, f_frsize, f_favail = 0, 3, 4096, 100
