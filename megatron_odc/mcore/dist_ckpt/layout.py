@@ -49,5 +49,15 @@ def check(checkpoint_dir: Path) -> None:
             + LEGACY_HINT.format(load=checkpoint_dir.parent)
         )
     for name, role in REQUIRED:
+        if name == "common.pt" and not _writes_common_pt():
+            continue
         if name not in names:
             raise CheckpointLayoutError(f"is incomplete: {name} ({role}) is missing")
+
+
+def _writes_common_pt() -> bool:
+    """megatron-core keeps the common state in ``common.pt`` through 0.18 and inside the torch_dist
+    files from 0.19 on (``mcore/releases.py``'s notes)."""
+    from megatron_odc.mcore.releases import installed_version, parse_version
+
+    return parse_version(installed_version()) < (0, 19, 0)
