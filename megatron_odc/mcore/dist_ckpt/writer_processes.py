@@ -13,6 +13,11 @@ makes every child die with the rank through the kernel's parent-death signal (``
 - the manager, started by ``spawn`` (fork + exec, which runs no fork hook), is started here instead of by
   megatron-core, with an initializer that sets it, and handed to megatron-core as its results queue.
 
+Both kinds of child also ignore SIGINT: Ctrl-C in a terminal reaches the whole process group, and the
+rank handles it (one ``interrupted`` line); the children printed a ``KeyboardInterrupt`` traceback each
+and die with the rank anyway. The manager listens on a Linux abstract socket (no file): on its default
+address, a file in a ``pymp-*`` directory of ``$TMPDIR``, every killed rank left that directory behind.
+
 Elsewhere than Linux it does nothing. The parent-death signal fires when the *thread* that started the
 child ends: both are started by the thread that saves (the training loop's).
 """
@@ -25,6 +30,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import uuid
 from multiprocessing.managers import SyncManager
 
 logger = logging.getLogger(__name__)
@@ -35,9 +41,13 @@ _manager: SyncManager | None = None
 
 
 def die_with_parent(parent_pid: int) -> None:
-    """In a child: ask the kernel for SIGKILL when the parent dies; exit now if it already has."""
+    """In a child: ask the kernel for SIGKILL when the parent dies; exit now if it already has.
+
+    Ctrl-C is left to the parent (SIGINT ignored here).
+    """
     if not sys.platform.startswith("linux"):
         return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         logger.warning("PR_SET_PDEATHSIG failed (errno %d)", ctypes.get_errno())
@@ -63,6 +73,7 @@ def install() -> None:
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if getattr(filesystem_async, "_results_queue", "absent") is None:  # not started yet
-        _manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+        address = f"\0megatron_odc-checkpoint-writer-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        _manager = SyncManager(address=address, ctx=multiprocessing.get_context("spawn"))
         _manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
         filesystem_async._results_queue = _manager.Queue()
