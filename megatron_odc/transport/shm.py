@@ -575,17 +575,17 @@ class ShmTransport(Transport):
             time.sleep(sleep_s)
             sleep_s = min(2 * sleep_s, _FENCE_SLEEP_CAP_S)
             now = time.monotonic()
-            if now < next_check:
-                continue
-            next_check = now + _LIVENESS_PERIOD_S
-            missing = [r for r in range(self.world_size) if int(self._ctrl_epochs[r]) < epoch]
-            dead = [r for r in missing if not pid_alive(int(self._ctrl_pids[r]))]
-            if dead:
-                names = ", ".join(f"rank {r} (pid {int(self._ctrl_pids[r])})" for r in dead)
-                raise TransportError(
-                    f"rank {self.rank}: {fence}: {names} died before reaching the fence"
-                )
-            if now - start > self.timeout_s:
+            if now >= next_check:
+                next_check = now + _LIVENESS_PERIOD_S
+                missing = [r for r in range(self.world_size) if int(self._ctrl_epochs[r]) < epoch]
+                dead = [r for r in missing if not pid_alive(int(self._ctrl_pids[r]))]
+                if dead:
+                    names = ", ".join(f"rank {r} (pid {int(self._ctrl_pids[r])})" for r in dead)
+                    raise TransportError(
+                        f"rank {self.rank}: {fence}: {names} died before reaching the fence"
+                    )
+            if now - start > self.timeout_s:  # at every wake-up: a timeout under the period holds
+                missing = [r for r in range(self.world_size) if int(self._ctrl_epochs[r]) < epoch]
                 raise TransportError(
                     f"rank {self.rank}: {fence} timed out after {self.timeout_s:g} s waiting "
                     f"for rank(s) {', '.join(str(r) for r in missing)}"

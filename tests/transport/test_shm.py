@@ -395,3 +395,33 @@ def test_build_transport_names() -> None:
         build_transport("gloo", None)
     with pytest.raises(ValueError, match=r"unknown transport None"):
         build_transport(None, None)
+
+
+class _FakeClock:
+    """``time`` for the fence loop: ``sleep`` advances ``monotonic`` exactly."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_a_fence_timeout_under_the_liveness_period_is_honoured(monkeypatch) -> None:
+    """``--odc-timeout-s 0.01``: the fence gives up right after 0.01 s (issue 37, item 8). Before, the
+    timeout was checked only with the 0.1 s liveness check, so it was accepted as if honoured."""
+    import megatron_odc.transport.shm as shm_module
+
+    clock = _FakeClock()
+    monkeypatch.setattr(shm_module, "time", clock)
+    me = type("FenceState", (), {})()
+    me.rank, me.world_size, me.timeout_s = 0, 2, 0.01
+    me._fence_epoch, me._fence_count = 0, 1
+    me._ctrl_epochs = torch.zeros(2, dtype=torch.int64)  # rank 1 never arrives
+    me._ctrl_pids = torch.tensor([os.getpid(), os.getpid()], dtype=torch.int64)  # alive
+    with pytest.raises(TransportError, match=r"timed out after 0.01 s waiting for rank\(s\) 1$"):
+        ShmTransport._barrier(me, "")
+    assert 0.01 < clock.now < 0.02, clock.now
