@@ -16,14 +16,22 @@ import os
 import sys
 from collections.abc import Sequence
 
-import torch.distributed as dist
+from megatron_odc.runner.known_warnings import filter_known_warnings
 
-from megatron_odc.integration.cpu import cpu_runtime
-from megatron_odc.runner.arguments import build_parser, validate_args
-from megatron_odc.runner.errors import REPORT_ATTRIBUTE
-from megatron_odc.runner.health import EXIT_PEER_FAILURE, PeerFailureError
-from megatron_odc.runner.launch_env import apply_launch_env, launch_local_rank, launched
-from megatron_odc.runner.trainer import TrainResult, train
+filter_known_warnings()  # before megatron-core is imported below: its import warns
+
+import torch.distributed as dist  # noqa: E402
+
+from megatron_odc.integration.cpu import cpu_runtime  # noqa: E402
+from megatron_odc.runner.arguments import build_parser, validate_args  # noqa: E402
+from megatron_odc.runner.errors import REPORT_ATTRIBUTE  # noqa: E402
+from megatron_odc.runner.health import EXIT_PEER_FAILURE, PeerFailureError  # noqa: E402
+from megatron_odc.runner.launch_env import (  # noqa: E402
+    apply_launch_env,
+    launch_local_rank,
+    launched,
+)
+from megatron_odc.runner.trainer import TrainResult, train  # noqa: E402
 
 logger = logging.getLogger("megatron_odc.train")
 
