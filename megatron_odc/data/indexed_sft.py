@@ -92,8 +92,13 @@ class IndexedSFTWriter:
     def __init__(self, prefix: str, tokenizer) -> None:
         indexed = _indexed_dataset_module()
         directory = os.path.dirname(os.path.abspath(prefix))
-        if not os.path.isdir(directory):
-            raise ValueError(f"--output-prefix {prefix!r}: directory {directory} does not exist")
+        try:
+            os.makedirs(directory, exist_ok=True)  # docs/data.md's command writes into a new data/
+        except OSError as exc:
+            raise ValueError(
+                f"--output-prefix {prefix!r}: directory {directory} cannot be created "
+                f"({exc.strerror or exc})"
+            ) from exc
         self.prefix = prefix
         self.identity = tokenizer_identity(tokenizer)
         self._tmp = f"{prefix}.tmp{os.getpid()}"

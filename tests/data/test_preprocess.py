@@ -150,8 +150,13 @@ def test_refusals_name_the_problem(tmp_path):
     os.remove(prefix + ".loss_mask.bin")
     with pytest.raises(ValueError, match=r"out\.loss_mask\.bin is missing"):
         IndexedSFTDataset(prefix, ByteTokenizer())
-    with pytest.raises(ValueError, match=r"directory .* does not exist"):
-        preprocess(str(path), str(tmp_path / "no" / "where"), workers=0, progress=False)
+    # A missing output directory is created (docs/data.md's command writes into a new data/)...
+    preprocess(str(path), str(tmp_path / "new" / "dir" / "out"), workers=0, progress=False)
+    assert os.path.isfile(sidecar_path(str(tmp_path / "new" / "dir" / "out")))
+    # ...one that cannot be is named.
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ValueError, match=r"directory .*a_file/sub cannot be created"):
+        preprocess(str(path), str(tmp_path / "a_file" / "sub" / "out"), workers=0, progress=False)
 
 
 def test_training_flags_detect_the_format(tmp_path):
