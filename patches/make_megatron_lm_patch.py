@@ -1,9 +1,11 @@
-"""Write ``megatron_lm_core_v0.16.1_odc.patch`` from a Megatron-LM ``core_v0.16.1`` tree, with git.
+"""Write ``megatron_lm_<tag>_odc.patch`` from a Megatron-LM tree of a supported tag, with git.
 
     python patches/make_megatron_lm_patch.py /path/to/Megatron-LM [OUT]
 
-Copies ``megatron/training`` into a temporary git repository, commits it, adds one hook line at each of
-the launcher's ``PATCH_POINTS`` (after the ``def`` or the ``from ... import`` that binds the name) and
+The tag is the row of ``megatron_odc/integration/megatron_lm/releases.py`` of the tree's series (read
+from its ``megatron/core/package_info.py``). Copies ``megatron/training`` into a temporary git
+repository, commits it, adds one hook line at each of that row's patch points (after the ``def`` or the
+``from ... import`` that binds the name) and
 the ``cpu_runtime()`` call at the start of ``CPU_HOOK``'s function, and writes ``git diff``. The hooks are
 those of ``megatron_odc/integration/megatron_lm/source_hooks.py``; the patch is derived from the same
 list as the launcher, so regenerating it is how the two stay equal (the test compares the two).
@@ -19,15 +21,44 @@ import sys
 import tempfile
 from pathlib import Path
 
-from megatron_odc.integration.megatron_lm.patching import PATCH_POINTS
+from megatron_odc.integration.megatron_lm.patching import PatchPoint, patch_points_of
+from megatron_odc.integration.megatron_lm.releases import (
+    MegatronLmRelease,
+    checkout_version,
+    release_for_series,
+    supported_tags_text,
+)
 from megatron_odc.integration.megatron_lm.source_hooks import (
     CPU_HOOK,
     hook_import_line,
     patch_point_line,
 )
 
-PATCH_NAME = "megatron_lm_core_v0.16.1_odc.patch"
 CPU_HOOK_LINE = "cpu_runtime()"
+
+
+def patch_name(release: MegatronLmRelease) -> str:
+    """The file name of ``release``'s patch in ``patches/``."""
+    return f"megatron_lm_{release.tag}_odc.patch"
+
+
+def release_of_tree(megatron_lm: Path) -> MegatronLmRelease:
+    """The row of the tree at ``megatron_lm``.
+
+    Raises:
+        ValueError: no version in the tree, or no supported tag of its series.
+    """
+    version = checkout_version(megatron_lm / "megatron" / "training")
+    release = None
+    if version is not None:
+        major, minor = (int(part) for part in version.split(".")[:2])
+        release = release_for_series((major, minor))
+    if release is None:
+        raise ValueError(
+            f"{megatron_lm} is Megatron-LM {version or '(no megatron/core/package_info.py)'}; "
+            f"patches are made for {supported_tags_text()}"
+        )
+    return release
 
 
 def _module_file(module: str) -> str:
@@ -62,15 +93,15 @@ def _function_start(tree: ast.Module, name: str) -> tuple[int, str]:
     raise ValueError(f"no top-level def {name!r}")
 
 
-def edit_tree(root: Path) -> None:
-    """Add the hook lines to the Megatron-LM files under ``root``."""
-    modules = {point.module for point in PATCH_POINTS} | {CPU_HOOK[0]}
+def edit_tree(root: Path, points: tuple[PatchPoint, ...]) -> None:
+    """Add the hook lines of ``points`` to the Megatron-LM files under ``root``."""
+    modules = {point.module for point in points} | {CPU_HOOK[0]}
     for module in sorted(modules):
         path = root / _module_file(module)
         lines = path.read_text().splitlines(keepends=True)
         tree = ast.parse("".join(lines))
         inserts: list[tuple[int, str]] = []  # (insert after this many lines, text)
-        for point in PATCH_POINTS:
+        for point in points:
             if point.module == module:
                 inserts.append((_binding_end(tree, point.attr), patch_point_line(point.attr)))
         if module == CPU_HOOK[0]:
@@ -91,6 +122,7 @@ def _git(repo: Path, *args: str) -> str:
 
 def make_patch(megatron_lm: Path) -> str:
     """The patch text for the Megatron-LM tree at ``megatron_lm`` (left unchanged)."""
+    release = release_of_tree(megatron_lm)
     with tempfile.TemporaryDirectory() as tmp:
         repo = Path(tmp)
         shutil.copytree(
@@ -100,19 +132,20 @@ def make_patch(megatron_lm: Path) -> str:
         )
         _git(repo, "init", "-q")
         _git(repo, "add", "-A")
-        _git(repo, "commit", "-qm", "Megatron-LM core_v0.16.1")
-        edit_tree(repo)
+        _git(repo, "commit", "-qm", f"Megatron-LM {release.tag}")
+        edit_tree(repo, patch_points_of(release))
         return _git(repo, "diff", "--no-color", "--no-ext-diff")
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("megatron_lm", type=Path, help="a Megatron-LM core_v0.16.1 tree")
-    parser.add_argument("out", type=Path, nargs="?", default=Path(__file__).parent / PATCH_NAME)
+    parser.add_argument("megatron_lm", type=Path, help="a Megatron-LM tree of a supported tag")
+    parser.add_argument("out", type=Path, nargs="?", help="default: patches/<its name>")
     args = parser.parse_args(argv)
-    args.out.write_text(make_patch(args.megatron_lm))
-    sys.stdout.write(f"wrote {args.out}\n")
+    out = args.out or Path(__file__).parent / patch_name(release_of_tree(args.megatron_lm))
+    out.write_text(make_patch(args.megatron_lm))
+    sys.stdout.write(f"wrote {out}\n")
 
 
 if __name__ == "__main__":

@@ -13,24 +13,31 @@ address then come from MPI: ``flags.apply_megatron_lm_launch_env``, run by the p
         --odc-transport mpi
 
 ``SCRIPT`` is resolved against ``$MEGATRON_LM_PATH`` first, then the working directory. The
-Megatron-LM root (``$MEGATRON_LM_PATH``, else the script's directory) is appended to ``sys.path``:
-``megatron`` is a namespace package, so ``megatron.core`` still comes from the installed megatron-core
-(the version the guard checks, with its prebuilt dataset helpers) while ``megatron.training``,
-``megatron.legacy`` and the script's own modules (``gpt_builders``, ``model_provider``) come from the
-checkout. Then :func:`megatron_odc.integration.megatron_lm.apply_megatron_lm_patches` is applied (with the
+installed megatron-core is imported first (the version the guard checks, with its prebuilt dataset
+helpers); then the Megatron-LM root (``$MEGATRON_LM_PATH``, else the script's directory) is put FIRST on
+``sys.path``: ``megatron`` is a namespace package, so ``megatron.training``, ``megatron.legacy`` and the
+script's own modules (``gpt_builders``, ``model_provider``) come from the checkout, never from the copy
+of ``megatron/training`` that the megatron-core wheel ships from 0.17 on (used only when the root has
+none). One log line names the ``megatron/training`` and ``megatron.core`` that run. Then :func:`megatron_odc.integration.megatron_lm.apply_megatron_lm_patches` is applied (with the
 CPU patches when CUDA is absent, and then the CPU flags of ``megatron_lm.flags.CPU_FLAGS`` the user did
 not set are added to ``args``, with one log line naming them), and the script runs as ``__main__``
 through ``runpy`` with ``sys.argv = [SCRIPT, *args]``. When the script ends normally (returns, or
 exits with status 0 as Megatron-LM does at ``--exit-interval``) the ODC chunks' transports are released
 (``builders.close_odc_chunks``); the patches are reverted whenever it ends.
+
+A refusal of megatron_odc's own (an unsupported Megatron-LM or megatron-core, a flag ``--dp-backend``
+does not combine with, a model built without ODC: a ``ValueError`` raised in ``megatron_odc``) ends the
+process with that one line on stderr and exit status 2, without a traceback.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import runpy
 import sys
+import traceback
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +72,56 @@ def _run_script(script: str) -> None:
             raise
 
 
+REFUSAL_EXIT_CODE = 2
+"""The exit status of a refusal of megatron_odc's own (see the module docstring)."""
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def is_odc_refusal(exc: BaseException) -> bool:
+    """Whether ``exc`` is a ``ValueError`` raised by megatron_odc's own code (its innermost frame)."""
+    if not isinstance(exc, ValueError) or exc.__traceback__ is None:
+        return False
+    last = traceback.extract_tb(exc.__traceback__)[-1]
+    return os.path.abspath(last.filename).startswith(_PACKAGE_DIR + os.sep)
+
+
+def put_checkout_first(root: str) -> None:
+    """Put ``root`` first on ``sys.path``, the installed megatron-core imported before (if any)."""
+    with contextlib.suppress(ImportError):  # without one, the checkout's own megatron/core runs
+        import megatron.core  # noqa: F401 - keeps the installed megatron-core for the run
+    if root in sys.path:
+        sys.path.remove(root)
+    sys.path.insert(0, root)
+
+
+def describe_megatron() -> str:
+    """Which ``megatron/training`` and ``megatron.core`` run (paths and versions), for the log."""
+    import megatron.core
+    from megatron.core import package_info
+
+    from megatron_odc.integration.megatron_lm.releases import checkout_version, training_dir
+
+    training = training_dir()
+    version = checkout_version(training) if training else None
+    return (
+        f"megatron/training from {training} ({version or 'no package_info beside it'}), "
+        f"megatron.core {package_info.__version__} from {os.path.dirname(megatron.core.__file__)}"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
-    """Entry point; ``argv`` defaults to ``sys.argv[1:]``."""
+    """Entry point; ``argv`` defaults to ``sys.argv[1:]``; a refusal exits with one line."""
+    try:
+        _main(argv)
+    except ValueError as exc:
+        if not is_odc_refusal(exc):
+            raise
+        sys.stderr.write(f"megatron_odc: {exc}\n")
+        sys.exit(REFUSAL_EXIT_CODE)
+
+
+def _main(argv: list[str] | None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         sys.stdout.write(__doc__ or "")
@@ -74,8 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     megatron_lm_path = os.environ.get(MEGATRON_LM_PATH_ENV)
     script = resolve_script(argv[0], megatron_lm_path)
     root = os.path.abspath(megatron_lm_path) if megatron_lm_path else os.path.dirname(script)
-    if root not in sys.path:
-        sys.path.append(root)
+    put_checkout_first(root)
 
     import torch
 
@@ -85,7 +139,16 @@ def main(argv: list[str] | None = None) -> None:
 
     cpu = not torch.cuda.is_available()
     handle = apply_megatron_lm_patches(cpu=cpu)
-    logger.info("running %s with %d patches (cpu=%s)", script, len(handle.patched), cpu)
+    logger.info(
+        "%s", describe_megatron()
+    )  # after the patches: Megatron-LM's imports set up logging
+    logger.info(
+        "running %s with %d patches for %s (cpu=%s)",
+        script,
+        len(handle.patched),
+        handle.release.tag,
+        cpu,
+    )
     sys.argv = [script, *with_cpu_flags(argv[1:], cuda=not cpu)]
     try:
         _run_script(script)

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_odc.integration.megatron_lm.patching import PATCH_POINTS
+from megatron_odc.integration.megatron_lm.releases import MEGATRON_LM_RELEASES
 from megatron_odc.transport.hosts import LOCAL_WORLD_SIZE_ENV
 from tests._dist import run_ranks
 from tests._megatron_lm import E2E_ARGS, pretrain_gpt_losses
@@ -151,6 +151,18 @@ _FAKE_FILES = {
                 model = [DP(config=config, ddp_config=ddp_config, module=m,
                             disable_bucketing=(i > 0)) for i, m in enumerate(model)]
             return model
+
+        def _build_elsewhere(model_provider_func):
+            # a builder ODC does not hook (as core_v0.19.0's models/dist_utils.py would be unhooked)
+            args = get_args()
+            module = model_provider_func(pre_process=True, post_process=True)
+            ddp_config = DistributedDataParallelConfig()
+            return [DDP(config=get_model_config(module), ddp_config=ddp_config, module=module)]
+
+        def setup_model_and_optimizer(model_provider_func, model_type, checkpointing_context=None):
+            if getattr(get_args(), 'build_elsewhere', False):
+                return _build_elsewhere(model_provider_func), None, None
+            return get_model(model_provider_func, model_type), None, None
     """,
 }
 
@@ -411,6 +423,18 @@ def _run_fake_training(rank: int, world_size: int, fake_root: str) -> dict:
     training.get_forward_backward_func = lambda pp_size=None: None
     out["refuse_signature"] = _error_of(megatron_lm.apply_megatron_lm_patches)
     training.get_forward_backward_func = originals["get_forward_backward_func"]
+    # The skip variable with a patch point gone: skipped with a warning, never an AttributeError.
+    setup = training.setup_model_and_optimizer
+    del training.setup_model_and_optimizer
+    out["refuse_missing"] = _error_of(megatron_lm.apply_megatron_lm_patches)
+    os.environ[SKIP_VERSION_CHECK_ENV] = "1"
+    try:
+        skipped = megatron_lm.apply_megatron_lm_patches()
+        out["skip_missing_patched"] = list(skipped.patched)
+        skipped.revert()
+    finally:
+        os.environ.pop(SKIP_VERSION_CHECK_ENV, None)
+        training.setup_model_and_optimizer = setup
     out["clean_after_refusal"] = all(getattr(training, n) is originals[n] for n in names) and (
         arguments.parse_args is originals["parse_args"]
     )
@@ -432,6 +456,23 @@ def _run_fake_training(rank: int, world_size: int, fake_root: str) -> dict:
         )
         out["ddp_restored"] = training.DDP is DistributedDataParallel
         model[0].close()
+        # After Megatron-LM built the model, a chunk ODC did not wrap stops the run (one line).
+        from megatron_odc.integration.megatron_lm.builders import close_odc_chunks
+        from megatron_odc.mcore.model import build_gpt_model
+
+        margs = _parse(initialize, [*BASE_ARGV, "--dp-backend", "odc"])
+
+        def provider(pre_process, post_process):
+            return build_gpt_model(cfg, seed=11)
+
+        out["setup_odc"] = type(training.setup_model_and_optimizer(provider, None)[0][0]).__name__
+        close_odc_chunks()
+        margs.build_elsewhere = True
+        out["unhooked"] = _error_of(lambda: training.setup_model_and_optimizer(provider, None))
+        margs.dp_backend = None
+        out["unhooked_stock"] = type(
+            training.setup_model_and_optimizer(provider, None)[0][0]
+        ).__name__
         _parse(initialize, BASE_ARGV)
         stock = _build(training, cfg, seed=11)
         out["stock_type"] = type(stock[0]).__name__
@@ -527,12 +568,14 @@ def test_core_symbols_match_the_expected_signatures() -> None:
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
     from megatron.core.rerun_state_machine import RerunDataIterator
 
-    from megatron_odc.integration.megatron_lm.version import EXPECTED_SIGNATURES
+    from megatron_odc.integration.megatron_lm.releases import release_for_series
+    from megatron_odc.mcore.releases import current_release
 
     def names(fn) -> tuple[str, ...]:
         return tuple(inspect.signature(fn).parameters)
 
-    table = {attr: sig for (mod, attr), sig in EXPECTED_SIGNATURES.items()}
+    release = release_for_series(current_release().series)
+    table = {name.rsplit(".", 1)[1]: sig for name, sig in release.signatures.items()}
     # Megatron-LM's training.py binds these megatron-core objects by name.
     assert names(get_megatron_optimizer) == table["get_megatron_optimizer"]
     assert names(DistributedDataParallel.__init__) == table["DDP"]
@@ -607,6 +650,14 @@ def test_fp8_param_gather_passes_validation_only_for_the_odc_engine(fake_results
 
 def test_get_model_swaps_ddp_only_while_it_runs(fake_results) -> None:
     for res in fake_results:
+        assert res["setup_odc"] == "ODCDataParallel"
+        # a model built where ODC does not hook stops the run, naming the chunk; ddp runs as before
+        assert res["unhooked"].startswith(
+            "--dp-backend odc: Megatron-LM built the model without ODC"
+        )
+        assert "chunk 0 is DistributedDataParallel" in res["unhooked"]
+        assert "\n" not in res["unhooked"]
+        assert res["unhooked_stock"] == "DistributedDataParallel"
         assert res["odc_wrapped"]
         assert res["odc_config"] == ("DistributedDataParallelConfig", 3000)
         assert res["ddp_restored"]
@@ -667,8 +718,14 @@ def test_version_refusal_and_revert(fake_results) -> None:
         assert "get_forward_backward_func" in res["refuse_signature"]
         assert res["clean_after_refusal"]
         assert all(res["restored"].values()), res["restored"]
-        # Exactly the one list of patch points (the source patch reaches the same list).
-        assert res["patched"] == [point.name for point in PATCH_POINTS]
+        # Exactly the row's patch points (the source patch reaches the same list).
+        assert res["patched"] == list(MEGATRON_LM_RELEASES[0].patch_points)
+        assert "setup_model_and_optimizer is missing" in res["refuse_missing"]
+        assert res["skip_missing_patched"] == [
+            p
+            for p in MEGATRON_LM_RELEASES[0].patch_points
+            if not p.endswith("setup_model_and_optimizer")
+        ]
         assert res["cpu_shims"] == (True, "torch.cuda.FloatTensor", 1)
         assert res["cpu_reverted"] == (True, "torch.FloatTensor", True, True, True)
         assert res["distopt_patched"] == ["load_state_dict", "sharded_state_dict"]

@@ -1,9 +1,11 @@
-"""``patches/megatron_lm_core_v0.16.1_odc.patch`` stays the launcher's runtime patches, as source hooks.
+"""``patches/megatron_lm_<tag>_odc.patch`` (one per supported tag) stays the launcher's runtime patches,
+as source hooks.
 
-Without Megatron-LM: the patch adds exactly one hook line at every ``PATCH_POINTS`` name (in that name's
-module), the CPU hook at the start of ``CPU_HOOK``'s function and the hook imports, and nothing else
-(no copy of the logic); each hook returns the launcher's own wrapper; the CPU flags the launcher and
-the hook add; docs/megatron_lm.md lists the same patch points and count. With ``MEGATRON_LM_PATH``: the patch equals a fresh generation from that tree
+Without Megatron-LM: each tag's patch adds exactly one hook line at every patch point of the tag's row
+(``releases.py``; in that name's module), the CPU hook at the start of ``CPU_HOOK``'s function and the
+hook imports, and nothing else (no copy of the logic); each hook returns the launcher's own wrapper; the
+CPU flags the launcher and the hook add; docs/megatron_lm.md lists the same patch points and counts.
+With ``MEGATRON_LM_PATH`` (one tag per run): that tag's patch equals a fresh generation from the tree
 (``patches/make_megatron_lm_patch.py``), applies with ``git apply`` to a copy, and that copy's own
 ``pretrain_gpt.py`` (no launcher) prints the launcher's losses.
 """
@@ -21,18 +23,33 @@ from pathlib import Path
 import pytest
 
 from megatron_odc.integration.megatron_lm.flags import CPU_FLAGS, with_cpu_flags
-from megatron_odc.integration.megatron_lm.patching import PATCH_POINTS
+from megatron_odc.integration.megatron_lm.patching import PATCH_POINTS, patch_points_of
+from megatron_odc.integration.megatron_lm.releases import MEGATRON_LM_RELEASES, MegatronLmRelease
 from megatron_odc.integration.megatron_lm.source_hooks import (
     CPU_HOOK,
     hook_import_line,
     odc_patch_point,
     patch_point_line,
 )
-from megatron_odc.integration.megatron_lm.version import EXPECTED_SIGNATURES
 from tests._megatron_lm import MODEL_ARGS, REPO_ROOT, pretrain_gpt_losses
 
-PATCH = REPO_ROOT / "patches" / "megatron_lm_core_v0.16.1_odc.patch"
 CPU_HOOK_CALL = "cpu_runtime()"
+
+
+def _generator():
+    sys.path.insert(0, str(REPO_ROOT / "patches"))
+    try:
+        import make_megatron_lm_patch
+    finally:
+        sys.path.remove(str(REPO_ROOT / "patches"))
+    return make_megatron_lm_patch
+
+
+def _patch_file(release: MegatronLmRelease) -> Path:
+    return REPO_ROOT / "patches" / _generator().patch_name(release)
+
+
+_TAGS = [pytest.param(r, id=r.tag) for r in MEGATRON_LM_RELEASES]
 
 
 def _module_file(module: str) -> str:
@@ -58,14 +75,21 @@ def _parse_patch(text: str) -> dict[str, list[tuple[str, list[str]]]]:
     return files
 
 
-def test_patch_hooks_every_patch_point_and_nothing_else() -> None:
-    files = _parse_patch(PATCH.read_text())
-    modules = {point.module for point in PATCH_POINTS} | {CPU_HOOK[0]}
+def test_one_patch_per_supported_tag_and_no_other() -> None:
+    patches = sorted(p.name for p in (REPO_ROOT / "patches").glob("*.patch"))
+    assert patches == sorted(_patch_file(r).name for r in MEGATRON_LM_RELEASES)
+
+
+@pytest.mark.parametrize("release", _TAGS)
+def test_patch_hooks_every_patch_point_and_nothing_else(release) -> None:
+    points = patch_points_of(release)
+    files = _parse_patch(_patch_file(release).read_text())
+    modules = {point.module for point in points} | {CPU_HOOK[0]}
     assert sorted(files) == sorted(_module_file(m) for m in modules)
     for module in modules:
         added = files[_module_file(module)]
         expected = [hook_import_line(module)]
-        expected += [patch_point_line(p.attr) for p in PATCH_POINTS if p.module == module]
+        expected += [patch_point_line(p.attr) for p in points if p.module == module]
         if module == CPU_HOOK[0]:
             expected.append(CPU_HOOK_CALL)
         # every patch point reached once, and no line that is not a hook (no logic copied)
@@ -98,8 +122,12 @@ def test_hooks_wrap_with_the_launchers_wrappers(monkeypatch) -> None:
         assert wrapped.__code__ is launcher.__code__, point.name
         # a binding imported from a hooked module (initialize's parse_args) is not wrapped twice
         assert odc_patch_point(point.module, point.attr, wrapped) is wrapped
-    # and the launcher's version guard checks every patch point's signature
-    assert {(point.module, point.attr) for point in PATCH_POINTS} <= set(EXPECTED_SIGNATURES)
+    # and the launcher's version guard checks every patch point's signature, in every tag's row
+    catalogue = {point.name for point in PATCH_POINTS}
+    for release in MEGATRON_LM_RELEASES:
+        assert set(release.patch_points) <= catalogue, release.tag
+        assert set(release.patch_points) <= set(release.signatures), release.tag
+    assert catalogue == {name for r in MEGATRON_LM_RELEASES for name in r.patch_points}
     with pytest.raises(ValueError, match="not an ODC patch point"):
         odc_patch_point("megatron.training.training", "train_step", lambda: None)
 
@@ -131,33 +159,28 @@ def test_cpu_flags_added_only_where_unset_and_only_without_cuda(caplog) -> None:
 
 
 def test_docs_list_the_code_s_patch_points_and_count() -> None:
-    from megatron_odc.integration.megatron_lm.cpu_shims import cpu_shims
     from megatron_odc.mcore.cpu_optimizers import unfused_distopt_patches
 
     docs = (REPO_ROOT / "docs" / "megatron_lm.md").read_text()
-    listed = re.findall(r"^- `(megatron\.training\.[\w.]+)`$", docs, flags=re.MULTILINE)
+    listed = re.findall(r"^- `(megatron\.training\.[\w.]+)`", docs, flags=re.MULTILINE)
     assert listed == [point.name for point in PATCH_POINTS]
-    shims, distopt = len(cpu_shims(None, None)), len(unfused_distopt_patches())
+    distopt = len(unfused_distopt_patches())
     words = " ".join(docs.split())
-    assert f"the {len(PATCH_POINTS)} patch points on a GPU" in words
-    assert f"the {shims} Megatron-LM shims" in words
-    assert f"the {distopt} `DistributedOptimizer` methods" in words
-    on_cpu = len(PATCH_POINTS) + shims + distopt
-    assert f"so **{on_cpu}**" in words
-    for text in (docs, (REPO_ROOT / "README.md").read_text()):
-        assert f"applied {on_cpu} Megatron-LM patches" in text
+    for release in MEGATRON_LM_RELEASES:
+        points, shims = len(release.patch_points), len(release.cpu_shims)
+        row = f"| `{release.tag}` | {points} | {shims} | {points + shims + distopt} |"
+        assert row in words, row
 
 
 # ----------------------------------------------------------------------------- with Megatron-LM
 
 
+def _tree_patch(megatron_lm_path: Path) -> Path:
+    return _patch_file(_generator().release_of_tree(megatron_lm_path))
+
+
 def test_patch_equals_a_fresh_generation(megatron_lm_path) -> None:
-    sys.path.insert(0, str(REPO_ROOT / "patches"))
-    try:
-        import make_megatron_lm_patch
-    finally:
-        sys.path.remove(str(REPO_ROOT / "patches"))
-    assert make_megatron_lm_patch.make_patch(megatron_lm_path) == PATCH.read_text(), (
+    assert _generator().make_patch(megatron_lm_path) == _tree_patch(megatron_lm_path).read_text(), (
         "regenerate: python patches/make_megatron_lm_patch.py $MEGATRON_LM_PATH"
     )
 
@@ -173,7 +196,8 @@ def _patched_copy(megatron_lm_path: Path, dest: Path) -> Path:
         return [n for n in names if n in skip]
 
     shutil.copytree(megatron_lm_path, dest, ignore=ignore)
-    subprocess.run(["git", "apply", str(PATCH)], cwd=dest, check=True, timeout=60)
+    patch = _tree_patch(megatron_lm_path)
+    subprocess.run(["git", "apply", str(patch)], cwd=dest, check=True, timeout=60)
     return dest
 
 

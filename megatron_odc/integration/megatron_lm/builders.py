@@ -2,7 +2,12 @@
 
 :func:`wrap_get_model`: while ``get_model`` runs, ``megatron.training.training.DDP`` is a factory that
 builds ``ODCDataParallel`` with Megatron-LM's ``DistributedDataParallelConfig`` and the ``ODCConfig`` of
-the ``--odc-*`` flags; the global is restored afterwards. :func:`wrap_get_megatron_optimizer`: an
+the ``--odc-*`` flags; the global is restored afterwards. :func:`wrap_ddp_wrap` does the same for
+``models.dist_utils._ddp_wrap`` (``core_v0.18.2`` on; ``pretrain_gpt.py`` of ``core_v0.19.0`` builds
+its model there, never calling ``get_model``) with that module's ``DistributedDataParallel``.
+:func:`wrap_setup_model_and_optimizer` checks, once Megatron-LM has built the model and before it
+trains, that every chunk is ``ODCDataParallel`` under ``--dp-backend odc|fsdp``: a tag building its
+model somewhere ODC does not hook must stop, not train with Megatron's own DDP. :func:`wrap_get_megatron_optimizer`: an
 :class:`ODCChainedOptimizer` over one ``ODCOptimizer`` when every chunk is ODC. Both route Megatron-LM's
 checkpointing of the chunks through ODC's (``checkpointing.py``). :func:`close_odc_chunks` releases the
 transports of the chunks built (the launcher calls it when the script ends normally: Megatron-LM
@@ -41,44 +46,107 @@ def close_odc_chunks() -> int:
     return closed
 
 
-def wrap_get_model(original: Callable, training: Any) -> Callable:
-    """``get_model`` that wraps ODC chunks in ``ODCDataParallel`` (see the module docstring)."""
+def _odc_factory(margs: Any) -> Callable:
+    """A stand-in for Megatron-LM's DDP class that builds ``ODCDataParallel`` (``full_param_layout``
+    and ``pg_collection`` are passed on; ``ODCDataParallel`` refuses a layout)."""
+    odc_config = ODCConfig.from_args(margs)
+
+    def odc_ddp(config, ddp_config, module, disable_bucketing=False, **extra):
+        return ODCDataParallel(
+            config, ddp_config, module, disable_bucketing, odc_config=odc_config, **extra
+        )
+
+    return odc_ddp
+
+
+def _built(model: list, backend: str, where: str) -> list:
+    wrapped = [c for c in model if isinstance(c, ODCDataParallel)]
+    for chunk in wrapped:
+        install_megatron_lm_checkpointing(chunk)
+    _BUILT.extend(wrapped)
+    if wrapped:
+        logger.info(
+            "--dp-backend %s: %d model chunk(s) wrapped in ODCDataParallel by %s (transport %s)",
+            backend,
+            len(wrapped),
+            where,
+            wrapped[0].transport_name,
+        )
+    return model
+
+
+def _swapping(original: Callable, owner: Any, attr: str) -> Callable:
+    """``original`` run with ``owner.attr`` (Megatron-LM's DDP class) swapped for ODC's factory."""
 
     @functools.wraps(original)
-    def get_model(*args, **kwargs):
+    def build(*args, **kwargs):
         from megatron.training import get_args
 
         margs = get_args()
         if getattr(margs, "dp_backend", None) not in ODC_ENGINE_BACKENDS:
             return original(*args, **kwargs)
-        odc_config = ODCConfig.from_args(margs)
-
-        def odc_ddp(config, ddp_config, module, disable_bucketing=False, **extra):
-            return ODCDataParallel(
-                config, ddp_config, module, disable_bucketing, odc_config=odc_config, **extra
-            )
-
-        saved = training.DDP
-        training.DDP = odc_ddp
+        saved = getattr(owner, attr)
+        setattr(owner, attr, _odc_factory(margs))
         try:
             model = original(*args, **kwargs)
         finally:
-            training.DDP = saved
-        wrapped = [c for c in model if isinstance(c, ODCDataParallel)]
-        for chunk in wrapped:
-            install_megatron_lm_checkpointing(chunk)
-        _BUILT.extend(wrapped)
-        if wrapped:
-            logger.info(
-                "--dp-backend %s: %d model chunk(s) wrapped in ODCDataParallel (transport %s)",
-                margs.dp_backend,
-                len(wrapped),
-                wrapped[0].transport_name,
-            )
-        return model
+            setattr(owner, attr, saved)
+        return _built(model, margs.dp_backend, f"{owner.__name__}.{original.__name__}")
 
-    get_model.__megatron_odc_original__ = original
-    return get_model
+    build.__megatron_odc_original__ = original
+    return build
+
+
+def wrap_get_model(original: Callable, training: Any) -> Callable:
+    """``get_model`` that wraps ODC chunks in ``ODCDataParallel`` (see the module docstring)."""
+    return _swapping(original, training, "DDP")
+
+
+def wrap_ddp_wrap(original: Callable, dist_utils: Any) -> Callable:
+    """``models.dist_utils._ddp_wrap`` that wraps ODC chunks in ``ODCDataParallel``."""
+    return _swapping(original, dist_utils, "DistributedDataParallel")
+
+
+def check_odc_wrapped(model: Any, backend: str | None) -> None:
+    """Under ``--dp-backend odc|fsdp``, every chunk of ``model`` must be ``ODCDataParallel``.
+
+    Raises:
+        ValueError: one line naming the chunks Megatron-LM wrapped otherwise.
+    """
+    if backend not in ODC_ENGINE_BACKENDS:
+        return
+    chunks = model if isinstance(model, list | tuple) else [model]
+    other = [
+        (i, type(c).__name__) for i, c in enumerate(chunks) if not isinstance(c, ODCDataParallel)
+    ]
+    if other:
+        from megatron_odc.integration.megatron_lm.releases import training_dir
+
+        listed = ", ".join(f"chunk {i} is {name}" for i, name in other)
+        raise ValueError(
+            f"--dp-backend {backend}: Megatron-LM built the model without ODC ({listed}); the "
+            f"megatron/training at {training_dir()} wraps its model where megatron_odc does not "
+            "hook, so training stops here instead of running Megatron's own DDP; use a supported "
+            "Megatron-LM tag (docs/megatron_lm.md)"
+        )
+
+
+def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
+    """``setup_model_and_optimizer`` followed by :func:`check_odc_wrapped` on the model it built."""
+
+    @functools.wraps(original)
+    def setup_model_and_optimizer(*args, **kwargs):
+        from megatron.training import get_args
+
+        result = original(*args, **kwargs)
+        model, optimizer = result[0], result[1]
+        margs = get_args()
+        if optimizer is not None or not getattr(margs, "skip_train", False):
+            check_odc_wrapped(model, getattr(margs, "dp_backend", None))
+        return result
+
+    setup_model_and_optimizer.__megatron_odc_original__ = original
+    return setup_model_and_optimizer
 
 
 class ODCChainedOptimizer(ChainedOptimizer):

@@ -10,9 +10,12 @@ no-ops, fused-kernel loading and JIT fusion setup skipped).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 class _CpuStream:
@@ -47,19 +50,50 @@ def _noop(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-def cpu_shims(initialize: Any, training: Any) -> list[tuple[Any, str, Any]]:
-    """``(owner, attribute, replacement)`` of every Megatron-LM CPU shim."""
-    cuda = torch.cuda
-    return [
-        (cuda, "is_available", lambda: True),
-        (cuda, "device_count", lambda: 1),
-        (cuda, "set_device", _noop),
-        (cuda, "get_device_properties", lambda *a, **k: _CpuDeviceProperties()),
-        (cuda, "get_device_capability", lambda *a, **k: (9, 0)),
-        (cuda, "Stream", _CpuStream),
-        (cuda, "stream", lambda *a, **k: _CpuStream()),
-        (cuda, "current_stream", lambda *a, **k: _CpuStream()),
-        (initialize, "set_jit_fusion_options", _noop),
-        (training, "set_jit_fusion_options", _noop),
-        (initialize, "_compile_dependencies", _noop),
-    ]
+def _shim_values() -> dict[str, Any]:
+    return {
+        "cuda.is_available": lambda: True,
+        "cuda.device_count": lambda: 1,
+        "cuda.set_device": _noop,
+        "cuda.get_device_properties": lambda *a, **k: _CpuDeviceProperties(),
+        "cuda.get_device_capability": lambda *a, **k: (9, 0),
+        "cuda.Stream": _CpuStream,
+        "cuda.stream": lambda *a, **k: _CpuStream(),
+        "cuda.current_stream": lambda *a, **k: _CpuStream(),
+        # torch's CUDA build (the 3.12 pairs): with device_count() == 1, torch.accelerator would
+        # report CUDA and the optimizers' graph-capture check would ask the driver for a stream.
+        "accelerator.is_available": lambda: False,
+        "initialize.set_jit_fusion_options": _noop,
+        "training.set_jit_fusion_options": _noop,
+        "initialize._compile_dependencies": _noop,
+    }
+
+
+CPU_SHIMS: tuple[str, ...] = tuple(_shim_values())
+"""Every Megatron-LM CPU shim by name, ``"owner.attribute"`` (``cuda`` is ``torch.cuda``,
+``accelerator`` ``torch.accelerator``; ``initialize`` / ``training`` are ``megatron.training``'s modules); a release row lists the ones its tag
+needs (``releases.py``)."""
+
+
+def cpu_shims(initialize: Any, training: Any, names: tuple[str, ...] = CPU_SHIMS) -> list:
+    """``(owner, attribute, replacement)`` of each named shim whose target exists.
+
+    A target the installed Megatron-LM lacks (only possible with ``MEGATRON_ODC_SKIP_VERSION_CHECK=1``:
+    the version check compares the row with the tree) is skipped with a warning.
+    """
+    owners = {
+        "cuda": torch.cuda,
+        "accelerator": getattr(torch, "accelerator", None),
+        "initialize": initialize,
+        "training": training,
+    }
+    values = _shim_values()
+    shims = []
+    for name in names:
+        owner_name, attr = name.split(".", 1)
+        owner = owners[owner_name]
+        if not hasattr(owner, attr):
+            logger.warning("CPU shim %s skipped: the installed Megatron-LM has no %s", name, attr)
+            continue
+        shims.append((owner, attr, values[name]))
+    return shims

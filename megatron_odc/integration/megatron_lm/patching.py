@@ -1,19 +1,25 @@
 """Apply and revert the Megatron-LM patches: one handle that puts every replaced attribute back.
 
-:data:`PATCH_POINTS` is the one list of the names of ``megatron.training`` that ODC replaces (tag
-``core_v0.16.1``), each with the wrapper that builds its replacement from the original:
+:data:`PATCH_POINTS` is the catalogue of the names of ``megatron.training`` that ODC replaces in any
+supported tag, each with the wrapper that builds its replacement from the original; which of them a tag
+has is its row's ``patch_points`` (``releases.py``):
 
-1. ``arguments.parse_args`` and its binding in ``initialize``: ODC's flags and their policy
-   (``flags.py``); ``validate_args`` (both bindings): ``--fp8-param-gather`` for ODC's engine;
-2. ``training.get_model``: ODC chunks wrapped in ``ODCDataParallel`` (``builders.py``);
+1. ``arguments.parse_args`` (and its binding in ``initialize`` up to ``core_v0.17.1``): ODC's flags and
+   their policy (``flags.py``); ``validate_args`` (the same bindings): ``--fp8-param-gather`` for ODC's
+   engine and the refusals that need validated args;
+2. ``training.get_model`` and, from ``core_v0.18.2``, ``models.dist_utils._ddp_wrap`` (the config
+   container's builders; ``pretrain_gpt.py`` of ``core_v0.19.0`` builds through it): ODC chunks wrapped in
+   ``ODCDataParallel`` (``builders.py``);
 3. ``training.get_megatron_optimizer``: the ODC optimizer for ODC chunks (``builders.py``);
 4. ``training.get_forward_backward_func``: each rank's planned microbatch count (``schedule.py``);
 5. ``training.build_pretraining_data_loader``: the length-balanced train loader (``data.py``);
-6. ``checkpointing._build_sharded_state_dict_metadata``: ODC's optimizer format in the metadata
+6. ``training.setup_model_and_optimizer``: after Megatron-LM built the model, every chunk must be
+   ``ODCDataParallel`` under ``--dp-backend odc|fsdp`` (``builders.py``), else the run stops;
+7. ``checkpointing._build_sharded_state_dict_metadata``: ODC's optimizer format in the metadata
    (``checkpointing.py``).
 
 :func:`apply_megatron_lm_patches` (the launcher) checks the installed Megatron-LM (``version.py``) and
-replaces every patch point at runtime (explicit and reversible; nothing happens on import). A patched
+replaces every patch point of its row at runtime (explicit and reversible; nothing happens on import). A patched
 Megatron-LM source (``patches/``) binds the same wrappers where the names are defined, through
 ``source_hooks.py``. With ``cpu=True`` (no CUDA) the launcher also applies megatron-core's CPU runtime
 (``integration/cpu.py``) and the Megatron-LM-only shims (``cpu_shims.py``):
@@ -32,8 +38,10 @@ from typing import Any
 
 from megatron_odc.integration.cpu import apply_cpu_patches
 from megatron_odc.integration.megatron_lm.builders import (
+    wrap_ddp_wrap,
     wrap_get_megatron_optimizer,
     wrap_get_model,
+    wrap_setup_model_and_optimizer,
 )
 from megatron_odc.integration.megatron_lm.checkpointing import (
     wrap_build_sharded_state_dict_metadata,
@@ -41,8 +49,14 @@ from megatron_odc.integration.megatron_lm.checkpointing import (
 from megatron_odc.integration.megatron_lm.cpu_shims import cpu_shims
 from megatron_odc.integration.megatron_lm.data import wrap_build_pretraining_data_loader
 from megatron_odc.integration.megatron_lm.flags import wrap_parse_args, wrap_validate_args
+from megatron_odc.integration.megatron_lm.releases import MegatronLmRelease
 from megatron_odc.integration.megatron_lm.schedule import wrap_get_forward_backward_func
-from megatron_odc.integration.megatron_lm.version import check_megatron_lm_version
+from megatron_odc.integration.megatron_lm.version import (
+    check_megatron_lm_version,
+    installed_megatron_lm_release,
+    is_missing,
+    resolve_name,
+)
 from megatron_odc.mcore.cpu_optimizers import cuda_type_names, unfused_distopt_patches
 
 logger = logging.getLogger(__name__)
@@ -76,6 +90,7 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     PatchPoint("megatron.training.arguments", "validate_args", _of_original(wrap_validate_args)),
     PatchPoint("megatron.training.initialize", "validate_args", _of_original(wrap_validate_args)),
     PatchPoint("megatron.training.training", "get_model", wrap_get_model),
+    PatchPoint("megatron.training.models.dist_utils", "_ddp_wrap", wrap_ddp_wrap),
     PatchPoint(
         "megatron.training.training",
         "get_megatron_optimizer",
@@ -92,12 +107,23 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
         _of_original(wrap_build_pretraining_data_loader),
     ),
     PatchPoint(
+        "megatron.training.training",
+        "setup_model_and_optimizer",
+        _of_original(wrap_setup_model_and_optimizer),
+    ),
+    PatchPoint(
         "megatron.training.checkpointing",
         "_build_sharded_state_dict_metadata",
         _of_original(wrap_build_sharded_state_dict_metadata),
     ),
 )
-"""Every Megatron-LM name the launcher replaces and a patched source wraps, in patch order."""
+"""Every Megatron-LM name the launcher replaces and a patched source wraps, in any supported tag."""
+
+
+def patch_points_of(release: MegatronLmRelease) -> tuple[PatchPoint, ...]:
+    """The patch points of ``release``, in its order."""
+    by_name = {point.name: point for point in PATCH_POINTS}
+    return tuple(by_name[name] for name in release.patch_points)
 
 
 class MegatronLmPatches:
@@ -106,9 +132,11 @@ class MegatronLmPatches:
     Attributes:
         patched: ``"module.attr"`` names of every replaced attribute, in patch order.
         cpu_patches: the ``CpuPatches`` handle when ``cpu=True`` applied them, else None.
+        release: the Megatron-LM row the patches were chosen by (None for the CPU part alone).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, release: MegatronLmRelease | None = None) -> None:
+        self.release = release
         self.patched: list[str] = []
         self.cpu_patches = None
         self._scoped = contextlib.ExitStack()
@@ -148,14 +176,14 @@ class MegatronLmPatches:
         self.revert()
 
 
-def _apply_cpu_patches(handle: MegatronLmPatches) -> None:
+def _apply_cpu_patches(handle: MegatronLmPatches, release: MegatronLmRelease) -> None:
     initialize = importlib.import_module("megatron.training.initialize")
     training = importlib.import_module("megatron.training.training")
     handle.cpu_patches = apply_cpu_patches()
     # Megatron's own optimizers (the ddp / distopt baselines) check param.type() at
     # construction and in every clip: the whole run is the scope here.
     handle._scoped.enter_context(cuda_type_names())
-    for owner, attr, value in cpu_shims(initialize, training):
+    for owner, attr, value in cpu_shims(initialize, training, release.cpu_shims):
         handle._patch(owner, attr, value)
     # distopt's checkpoint load over torch's Adam (no TE / Apex), as in the plugin's entry.
     for owner, attr, value in unfused_distopt_patches():
@@ -168,10 +196,11 @@ def apply_megatron_lm_cpu_patches() -> MegatronLmPatches:
     Returns:
         A handle whose ``revert()`` restores everything.
     """
-    handle = MegatronLmPatches()
+    release = installed_megatron_lm_release()
+    handle = MegatronLmPatches(release)
     handle._active = True
     try:
-        _apply_cpu_patches(handle)
+        _apply_cpu_patches(handle, release)
     except BaseException:
         handle.revert()
         raise
@@ -179,7 +208,7 @@ def apply_megatron_lm_cpu_patches() -> MegatronLmPatches:
 
 
 def apply_megatron_lm_patches(*, cpu: bool = False) -> MegatronLmPatches:
-    """Replace every :data:`PATCH_POINTS` name in an importable ``megatron.training``.
+    """Replace every patch point of the installed tag's row in an importable ``megatron.training``.
 
     Args:
         cpu: first apply :func:`apply_megatron_lm_cpu_patches`' patches (``torch.cuda.is_available``
@@ -190,19 +219,23 @@ def apply_megatron_lm_patches(*, cpu: bool = False) -> MegatronLmPatches:
         A handle whose ``revert()`` restores everything.
 
     Raises:
-        ValueError: not Megatron-LM ``core_v0.16.1`` (see :func:`check_megatron_lm_version`).
+        ValueError: not a supported Megatron-LM tag (see :func:`check_megatron_lm_version`).
     """
-    check_megatron_lm_version()
-    handle = MegatronLmPatches()
+    release = check_megatron_lm_version()
+    handle = MegatronLmPatches(release)
     handle._active = True
     try:
         if cpu:
-            _apply_cpu_patches(handle)
-        for point in PATCH_POINTS:
+            _apply_cpu_patches(handle, release)
+        for point in patch_points_of(release):
+            original = resolve_name(point.name)
+            if is_missing(original):  # only under MEGATRON_ODC_SKIP_VERSION_CHECK=1
+                logger.warning("patch point %s skipped: not in this Megatron-LM", point.name)
+                continue
             owner = importlib.import_module(point.module)
-            handle._patch(owner, point.attr, point.wrap(getattr(owner, point.attr), owner))
+            handle._patch(owner, point.attr, point.wrap(original, owner))
     except BaseException:
         handle.revert()
         raise
-    logger.info("applied %d Megatron-LM patches", len(handle.patched))
+    logger.info("applied %d Megatron-LM patches (%s)", len(handle.patched), release.tag)
     return handle
