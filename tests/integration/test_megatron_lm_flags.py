@@ -57,3 +57,66 @@ def test_defaults_pass_and_set_per_token_loss() -> None:
     assert args.balance == "lb_mini"
     args = postprocess_odc_args(_megatron_lm_args("odc", dataloader_type="cyclic"))
     assert args.balance == "none"  # Megatron-LM's sampler where its loader is not `single`
+
+
+@pytest.mark.parametrize(
+    ("given", "flag"),
+    [
+        ({"cuda_graph_impl": "full_iteration"}, "--cuda-graph-impl full_iteration"),
+        ({"cuda_graph_impl": "local"}, "--cuda-graph-impl local"),
+        ({"enable_cuda_graph": True}, "--enable-cuda-graph"),
+        ({"external_cuda_graph": True}, "--external-cuda-graph"),
+        ({"optimizer_cuda_graph": True}, "--optimizer-cuda-graph"),
+        ({"optimizer": "muon"}, "--optimizer muon"),
+        ({"optimizer": "dist_muon"}, "--optimizer dist_muon"),
+        ({"use_layer_wise_distributed_optimizer": True}, "the layer-wise distributed optimizer"),
+        ({"hybrid_context_parallel": True}, "--hybrid-context-parallel"),
+        ({"save_wgrads_interval": 5}, "--save-wgrads-interval"),
+        ({"optimizer_cpu_offload": True}, "--optimizer-cpu-offload"),
+    ],
+)
+@pytest.mark.parametrize("backend", ["odc", "fsdp"])
+def test_megatron_lm_contract_members_refused_by_name(backend, given, flag) -> None:
+    """What megatron.training (core_v0.17.1-core_v0.19.0) would run with a static schedule, whole-matrix
+    owners or main_grad on the wrapper is refused at parse time, in one line naming the flag."""
+    from megatron_odc.integration.megatron_lm.flags import _refuse_virtual_stages
+
+    with pytest.raises(
+        ValueError, match=f"--dp-backend {backend} does not combine with {flag}"
+    ) as e:
+        postprocess_odc_args(_megatron_lm_args(backend, **given))
+    assert "\n" not in str(e.value)
+    # and again after validate_args, which derives some of them (deprecated flags, dist_muon)
+    args = _megatron_lm_args(backend)
+    args.virtual_pipeline_model_parallel_size = None
+    for name, value in given.items():
+        setattr(args, name, value)
+    with pytest.raises(ValueError, match=f"does not combine with {flag}"):
+        _refuse_virtual_stages(args)
+
+
+@pytest.mark.parametrize("backend", ["ddp", "distopt"])
+def test_megatron_lm_backends_keep_their_contract_members(backend) -> None:
+    args = _megatron_lm_args(
+        backend,
+        cuda_graph_impl="full_iteration",
+        optimizer="muon",
+        optimizer_cuda_graph=True,
+        save_wgrads_interval=5,
+    )
+    postprocess_odc_args(args)  # Megatron-LM's own backends decide for themselves
+
+
+def test_defaults_of_every_tag_are_not_refused() -> None:
+    args = _megatron_lm_args(
+        "odc",
+        cuda_graph_impl="none",
+        enable_cuda_graph=False,
+        optimizer="adam",
+        optimizer_cuda_graph=False,
+        use_layer_wise_distributed_optimizer=False,
+        hybrid_context_parallel=False,
+        save_wgrads_interval=None,
+        optimizer_cpu_offload=False,
+    )
+    assert postprocess_odc_args(args).calculate_per_token_loss

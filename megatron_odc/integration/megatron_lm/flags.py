@@ -16,10 +16,12 @@ own path). :func:`wrap_parse_args` / :func:`wrap_validate_args` are the two patc
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -47,6 +49,109 @@ CPU_FLAGS: tuple[tuple[str, ...], ...] = (
 )
 """Megatron-LM's flags for a run without CUDA (gloo, torch layers, no fused kernels, no worker
 processes, weights initialised on the CPU), each as its command-line words."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """A Megatron-LM setting the ODC engine (``--dp-backend odc|fsdp``) refuses before training.
+
+    Attributes:
+        attr: the ``args`` attribute (absent in a tag that has no such flag: never refused there).
+        on: whether a value of it is refused.
+        flag: the flag as the user writes it (``{value}`` is replaced by the value).
+        reason: why, and what to do instead.
+    """
+
+    attr: str
+    on: Callable[[Any], bool]
+    flag: str
+    reason: str
+
+    def check(self, backend: str, args: argparse.Namespace) -> None:
+        """Raise when ``args`` has this setting on.
+
+        Raises:
+            ValueError: one line naming the backend, the flag and what to do.
+        """
+        value = getattr(args, self.attr, None)
+        if value is not None and self.on(value):
+            flag = self.flag.format(value=value)
+            raise ValueError(f"--dp-backend {backend} does not combine with {flag}: {self.reason}")
+
+
+_STATIC_SCHEDULE = (
+    "a captured graph replays one static schedule on every rank, while ODC ranks run their own "
+    "microbatch counts and fetch parameters on demand"
+)
+
+MEGATRON_LM_REFUSALS: tuple[Refusal, ...] = (
+    Refusal(
+        "cuda_graph_impl",
+        lambda v: v != "none",
+        "--cuda-graph-impl {value}",
+        f"{_STATIC_SCHEDULE}; use --cuda-graph-impl none",
+    ),
+    Refusal("enable_cuda_graph", bool, "--enable-cuda-graph", f"{_STATIC_SCHEDULE}; leave it off"),
+    Refusal(
+        "external_cuda_graph", bool, "--external-cuda-graph", f"{_STATIC_SCHEDULE}; leave it off"
+    ),
+    Refusal(
+        "optimizer_cuda_graph",
+        bool,
+        "--optimizer-cuda-graph",
+        "the ODC optimizer steps its owned shards outside a captured graph; leave it off",
+    ),
+    Refusal(
+        "optimizer",
+        lambda v: v not in ("adam", "sgd"),
+        "--optimizer {value}",
+        "the ODC optimizer is Adam or SGD over element shards of each bucket; Muon and the "
+        "layer-wise distributed optimizer need whole 2-D matrices per owner; use adam or sgd",
+    ),
+    Refusal(
+        "use_layer_wise_distributed_optimizer",
+        bool,
+        "the layer-wise distributed optimizer (--optimizer muon/dist_muon with "
+        "--use-distributed-optimizer)",
+        "ODC shards parameters itself; use --optimizer adam or sgd",
+    ),
+    Refusal(
+        "hybrid_context_parallel",
+        bool,
+        "--hybrid-context-parallel",
+        "its schedule assumes every DP rank runs the same microbatches; leave it off",
+    ),
+    Refusal(
+        "save_wgrads_interval",
+        lambda v: True,
+        "--save-wgrads-interval",
+        "Megatron-LM then forces an all-reduce (model_chunk.force_all_reduce) and saves every "
+        "parameter's main_grad, while ODC's gradients are summed in the owners' shards; leave it unset",
+    ),
+    Refusal(
+        "optimizer_cpu_offload",
+        bool,
+        "--optimizer-cpu-offload",
+        "the ODC optimizer keeps its fp32 shards where its transport is; leave it off",
+    ),
+)
+"""What ``--dp-backend odc|fsdp`` refuses among Megatron-LM's own flags, besides megatron-core's
+``UNSUPPORTED`` (``mcore/config.py``): checked after parsing and again after ``validate_args`` (which
+turns the deprecated CUDA-graph flags into ``cuda_graph_impl`` and ``--optimizer dist_muon`` into the
+layer-wise optimizer). A flag a tag does not have is never refused there."""
+
+
+def refuse_megatron_lm_flags(args: argparse.Namespace) -> None:
+    """Apply :data:`MEGATRON_LM_REFUSALS` for the ODC engine's backends (nothing for others).
+
+    Raises:
+        ValueError: the first refused flag, named.
+    """
+    backend = getattr(args, "dp_backend", None)
+    if backend not in ODC_ENGINE_BACKENDS:
+        return
+    for refusal in MEGATRON_LM_REFUSALS:
+        refusal.check(backend, args)
 
 
 def with_cpu_flags(argv: list[str], *, cuda: bool) -> list[str]:
@@ -116,6 +221,7 @@ def postprocess_odc_args(args: argparse.Namespace) -> argparse.Namespace:
         resolve_odc_args(args)  # refuses --odc-* options
         args.use_distributed_optimizer = backend == "distopt"
         return args
+    refuse_megatron_lm_flags(args)
     ckpt_format = getattr(args, "ckpt_format", "torch_dist")
     for attr in ("save", "load", "pretrained_checkpoint"):
         if getattr(args, attr, None) and ckpt_format != "torch_dist":
@@ -185,7 +291,8 @@ def _refuse_virtual_stages(args: argparse.Namespace) -> argparse.Namespace:
     """``args`` after ``validate_args``, which derives ``virtual_pipeline_model_parallel_size`` from
     ``--num-layers-per-virtual-pipeline-stage``, ``--num-virtual-stages-per-pipeline-rank`` or
     ``--pipeline-model-parallel-layout``: the interleaved schedule is refused for the ODC engine's
-    backends before any model is built (pipeline stages themselves run megatron-core's 1F1B)."""
+    backends before any model is built (pipeline stages themselves run megatron-core's 1F1B); and
+    :data:`MEGATRON_LM_REFUSALS` again, over what validation derived."""
     backend = getattr(args, "dp_backend", None)
     if backend is not None:
         refuse_unsupported(
@@ -194,6 +301,7 @@ def _refuse_virtual_stages(args: argparse.Namespace) -> argparse.Namespace:
                 args, "virtual_pipeline_model_parallel_size", None
             ),
         )
+        refuse_megatron_lm_flags(args)
     return args
 
 
