@@ -1,9 +1,10 @@
-"""Megatron-LM end-to-end helpers: whether a real ``core_v0.16.1`` tree can run here, and its losses.
+"""Megatron-LM end-to-end helpers: whether a real tree of a supported tag can run here, and its losses.
 
 :func:`megatron_lm_skip_reason` says why the ``MEGATRON_LM_PATH`` tests cannot run (no path, or an import
 of what ``pretrain_gpt.py`` needs fails, e.g. a Megatron-LM dependency that ``pip install -e
 .[megatron-lm]`` brings); the ``megatron_lm_path`` fixture (``tests/integration/conftest.py``) skips with
-it. :func:`pretrain_gpt_losses` runs ``pretrain_gpt.py`` on CPU ranks (2 by default) under torchrun or
+it; :func:`megatron_lm_tag` names the tag of that tree (the gated tests run whichever tag
+``MEGATRON_LM_PATH`` points at, one per run, with its megatron-core installed). :func:`pretrain_gpt_losses` runs ``pretrain_gpt.py`` on CPU ranks (2 by default) under torchrun or
 ``mpiexec``, through the launcher or as a patched tree's own script, and returns the printed losses.
 """
 
@@ -19,6 +20,11 @@ import sys
 from pathlib import Path
 
 from megatron_odc.integration.megatron_lm.flags import CPU_FLAGS
+from megatron_odc.integration.megatron_lm.releases import (
+    checkout_version,
+    release_for_series,
+    supported_tags_text,
+)
 from tests._mpi import mpi_env, mpiexec_command
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +48,8 @@ _LOSS_RE = re.compile(r"iteration\s+(\d+)/.*?lm loss: ([0-9.E+-]+)")
 
 _IMPORT_CHECK = """
 import importlib.util, sys
-sys.path.append(sys.argv[1])  # as the launcher does: megatron.core stays the installed one
+import megatron.core  # as the launcher does: megatron.core stays the installed one,
+sys.path.insert(0, sys.argv[1])  # and the checkout comes first (the wheel ships megatron/training)
 spec = importlib.util.spec_from_file_location("pretrain_gpt_imports", sys.argv[1] + "/pretrain_gpt.py")
 spec.loader.exec_module(importlib.util.module_from_spec(spec))
 """
@@ -53,7 +60,7 @@ def megatron_lm_skip_reason() -> str | None:
     """Why the real Megatron-LM cannot run here, or None when it can (checked once per session)."""
     path = os.environ.get(MEGATRON_LM_PATH_ENV)
     if not path:
-        return f"needs {MEGATRON_LM_PATH_ENV} (a Megatron-LM core_v0.16.1 tree)"
+        return f"needs {MEGATRON_LM_PATH_ENV} (a Megatron-LM tree of {supported_tags_text()})"
     if not (Path(path) / "pretrain_gpt.py").is_file():
         return f"{MEGATRON_LM_PATH_ENV}={path} holds no pretrain_gpt.py"
     proc = subprocess.run(
@@ -70,6 +77,15 @@ def megatron_lm_skip_reason() -> str | None:
             "with pip install -e .[megatron-lm]"
         )
     return None
+
+
+def megatron_lm_tag(path: Path) -> str:
+    """The supported tag of the tree at ``path`` (by its ``megatron/core/package_info.py``)."""
+    version = checkout_version(Path(path) / "megatron" / "training")
+    assert version is not None, f"{path} has no megatron/core/package_info.py"
+    release = release_for_series(tuple(int(p) for p in version.split(".")[:2]))
+    assert release is not None, f"{path} is Megatron-LM {version}, not a supported tag"
+    return release.tag
 
 
 def _env() -> dict[str, str]:
@@ -100,6 +116,7 @@ def pretrain_gpt_losses(
     mpiexec: bool = False,
     env: dict[str, str] | None = None,
     log_holds: tuple[str, ...] = (),
+    launch: str = "pretrain_gpt.py",
 ) -> dict[int, float]:
     """``{iteration: lm loss}`` of an ``nproc``-rank CPU run of ``pretrain_gpt.py --dp-backend backend``.
 
@@ -107,8 +124,9 @@ def pretrain_gpt_losses(
     (a patched Megatron-LM tree's, without the launcher). Under torchrun, or with ``mpiexec`` under
     ``mpiexec -n nproc`` (``tests/_mpi.py``; the caller passes ``--odc-transport mpi``); ``env`` is
     added to the ranks' environment. Every string of ``log_holds`` must be in the run's output.
+    ``launch`` is the script the launcher runs (a stand-in instead of ``pretrain_gpt.py``).
     """
-    main = [str(script)] if script else ["-m", "megatron_odc.launch", "pretrain_gpt.py"]
+    main = [str(script)] if script else ["-m", "megatron_odc.launch", launch]
     main += [*args, "--dp-backend", backend, *extra]
     if mpiexec:
         cmd = mpiexec_command(nproc, main)

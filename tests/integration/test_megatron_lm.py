@@ -31,7 +31,7 @@ import torch
 from megatron_odc.integration.megatron_lm.releases import MEGATRON_LM_RELEASES
 from megatron_odc.transport.hosts import LOCAL_WORLD_SIZE_ENV
 from tests._dist import run_ranks
-from tests._megatron_lm import E2E_ARGS, pretrain_gpt_losses
+from tests._megatron_lm import E2E_ARGS, megatron_lm_tag, pretrain_gpt_losses
 from tests._mpi import requires_mpi
 
 # ----------------------------------------------------------------------------- the fake Megatron-LM
@@ -824,11 +824,25 @@ def test_launch_env_reads_the_transport_of_megatron_lm_argv(monkeypatch) -> None
 # ----------------------------------------------------------------------------- end to end
 
 
-@pytest.mark.usefixtures("megatron_lm_path")
-@pytest.mark.timeout(600)
-def test_pretrain_gpt_end_to_end_odc_equals_ddp(tmp_path) -> None:
-    odc = pretrain_gpt_losses("odc", tmp_path)
-    ddp = pretrain_gpt_losses("ddp", tmp_path)
+def _odc_log_holds(megatron_lm_path: Path) -> tuple[str, ...]:
+    """What an ODC run of the launcher must log: the tag's patches, the checkout's megatron/training
+    (first on sys.path, not the wheel's copy) and every chunk wrapped in ODCDataParallel."""
+    tag = megatron_lm_tag(megatron_lm_path)
+    training = (Path(megatron_lm_path) / "megatron" / "training").resolve()
+    return (f"patches for {tag}", f"megatron/training from {training}", "in ODCDataParallel by")
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    ("layout", "nproc"),
+    [((), 2), (("--tensor-model-parallel-size", "2", "--sequence-parallel"), 4)],
+    ids=["dp2", "tp2-sp-dp2"],
+)
+def test_pretrain_gpt_end_to_end_odc_equals_ddp(megatron_lm_path, tmp_path, layout, nproc) -> None:
+    """DP=2, and TP=2 x DP=2 with sequence parallelism, on the tag MEGATRON_LM_PATH points at."""
+    holds = _odc_log_holds(megatron_lm_path)
+    odc = pretrain_gpt_losses("odc", tmp_path, *layout, nproc=nproc, log_holds=holds)
+    ddp = pretrain_gpt_losses("ddp", tmp_path, *layout, nproc=nproc)
     for it, loss in ddp.items():
         assert odc[it] == pytest.approx(loss, rel=1e-5), (it, odc, ddp)
     assert ddp[1] != ddp[6]  # training moved
@@ -841,9 +855,8 @@ def test_pretrain_gpt_pipeline_odc_equals_ddp(tmp_path) -> None:
     Megatron-LM's own 1F1B, with the balanced loader's counts, equal Megatron-LM's DDP with the same
     pipeline layout."""
     pp = ("--pipeline-model-parallel-size", "2")
-    odc = pretrain_gpt_losses(
-        "odc", tmp_path, *pp, nproc=4, log_holds=("BalancedPretrainingLoader",)
-    )
+    holds = ("BalancedPretrainingLoader", *_odc_log_holds(Path(os.environ["MEGATRON_LM_PATH"])))
+    odc = pretrain_gpt_losses("odc", tmp_path, *pp, nproc=4, log_holds=holds)
     ddp = pretrain_gpt_losses("ddp", tmp_path, *pp, nproc=4)
     for it, loss in ddp.items():
         assert odc[it] == pytest.approx(loss, rel=1e-5), (it, odc, ddp)
