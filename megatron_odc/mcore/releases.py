@@ -166,8 +166,8 @@ class Release:
             (0.19; it still reads a legacy ``common.pt``).
         quiet_notices: ``(logger name, message start)`` of megatron-core log records about choices the
             plugin made on purpose, dropped while it makes them (:func:`quiet_notices`): 0.19 warns on
-            every ``GPTModel`` that it is deprecated, one more stderr line per rank that would break the
-            entry's one-line errors.
+            every ``GPTModel`` that it is deprecated and on the first save through its async writer,
+            one more stderr line per rank each, which would break the entry's one-line errors.
         notes: what changed against the previous row, for people (docs/megatron.md points here).
     """
 
@@ -286,7 +286,14 @@ RELEASES: tuple[Release, ...] = (
         ),
         signatures=_SIGNATURES_019,
         common_state_file=None,
-        quiet_notices=(("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED"),),
+        quiet_notices=(
+            ("megatron.core.models.gpt.gpt_model", "GPTModel IS DEPRECATED"),
+            # torch_dist saves through megatron-core's own async writer (its first save on a rank)
+            (
+                "megatron.core.dist_checkpointing.strategies.torch",
+                "MCore's async save is deprecated",
+            ),
+        ),
         notes="DDP.start_grad_sync calls torch.cuda.current_stream() always (CPU shim); "
         "DDP.reset_param_sync_dispatch_state; MegatronOptimizer.get_main_grads_for_grad_norm -> "
         "get_grads_for_grad_norm(grad_norm_group), has_grad_norm_group (separate MTP norm), "

@@ -397,7 +397,7 @@ def test_quiet_notices_drop_only_the_named_notice_inside_the_block(caplog) -> No
     from megatron_odc.mcore.releases import quiet_notices
 
     newest = RELEASES[-1]
-    ((name, start),) = newest.quiet_notices
+    name, start = newest.quiet_notices[0]
     log = logging.getLogger(name)
     with caplog.at_level(logging.WARNING, logger=name):
         with quiet_notices(newest):
