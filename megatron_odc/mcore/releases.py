@@ -168,7 +168,7 @@ class Release:
             plugin made on purpose, dropped while it makes them (:func:`quiet_notices`): 0.19 warns on
             every ``GPTModel`` that it is deprecated and on the first save through its async writer,
             one more stderr line per rank each, which would break the entry's one-line errors.
-        notes: what changed against the previous row, for people (docs/megatron.md points here).
+        notes: what changed against the previous row, for people (docs/architecture.md, section 3).
     """
 
     series: tuple[int, int]
