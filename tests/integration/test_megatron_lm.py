@@ -1062,3 +1062,52 @@ def test_pretrain_gpt_mixed_precision_resume_is_bitwise(tmp_path, precision) -> 
     assert masters, sorted(want)[:20]
     differ = [k for k in want if not torch.equal(got[k], want[k])]
     assert not differ, differ[:10]
+
+
+_UNTESTED_TREE = """
+import os, pathlib, sys
+root = pathlib.Path(sys.argv[1])
+import megatron.core  # the installed one; the tree comes first, as the launcher puts it
+sys.path.insert(0, str(root))
+from megatron_odc.integration.megatron_lm import apply_megatron_lm_patches
+try:
+    apply_megatron_lm_patches()
+except ValueError as exc:
+    print("REFUSED", exc)
+os.environ["MEGATRON_ODC_SKIP_VERSION_CHECK"] = "1"
+handle = apply_megatron_lm_patches(cpu=True)
+print("SKIPPED-TO", handle.release.tag, len(handle.patched))
+handle.revert()
+"""
+
+
+def test_untested_tree_refused_and_the_skip_variable_never_ends_in_attribute_error(
+    tmp_path,
+) -> None:
+    """A tree of no supported tag (package_info 0.15, no training modules): refused in one line naming
+    the tags; with MEGATRON_ODC_SKIP_VERSION_CHECK=1 the nearest row is used and every missing patch
+    point and CPU-shim target is skipped with a warning."""
+    training = tmp_path / "megatron" / "training"
+    training.mkdir(parents=True)
+    (training / "__init__.py").write_text("")
+    (tmp_path / "megatron" / "core").mkdir()
+    (tmp_path / "megatron" / "core" / "package_info.py").write_text(
+        "MAJOR = 0\nMINOR = 15\nPATCH = 0\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    env.pop("MEGATRON_ODC_SKIP_VERSION_CHECK", None)
+    proc = subprocess.run(
+        [sys.executable, "-c", _UNTESTED_TREE, str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (refused,) = [line for line in proc.stdout.splitlines() if line.startswith("REFUSED")]
+    assert f"megatron/training at {training.resolve()} is version 0.15.0" in refused
+    for release in MEGATRON_LM_RELEASES:
+        assert release.tag in refused
+    assert "SKIPPED-TO core_v0.16.1" in proc.stdout
+    assert "AttributeError" not in proc.stderr
+    assert "patch point megatron.training.training.get_model skipped" in proc.stderr

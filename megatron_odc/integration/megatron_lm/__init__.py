@@ -1,13 +1,16 @@
-"""``--dp-backend odc`` inside Megatron-LM's own training loop (``core_v0.16.1``), without editing it.
+"""``--dp-backend odc`` inside Megatron-LM's own training loop (tags ``core_v0.16.1`` to ``core_v0.19.0``),
+without editing it.
 
 Split by job:
 
-- ``patching``: ``PATCH_POINTS`` (the one list of replaced names), :func:`apply_megatron_lm_patches`
+- ``releases``: one row per supported tag (its patch points, expected signatures and CPU shims);
+- ``patching``: ``PATCH_POINTS`` (the catalogue of replaced names), :func:`apply_megatron_lm_patches`
   and the handle that reverts them;
 - ``source_hooks``: what a patched Megatron-LM source calls at the same points (``patches/``);
-- ``version``: the Megatron-LM the patches are written for, checked before patching;
+- ``version``: which row the installed Megatron-LM is, checked before patching;
 - ``flags``: ODC's flags in Megatron-LM's parser, what ``--dp-backend`` sets or refuses, the CPU flags;
-- ``builders``: the ``ODCDataParallel`` wrapper and the ODC optimizer where Megatron-LM builds its own;
+- ``builders``: the ``ODCDataParallel`` wrapper and the ODC optimizer where Megatron-LM builds its own,
+  and the check that every chunk is ODC-wrapped before training;
 - ``schedule``: each DP replica's planned microbatch count, including 0;
 - ``data``: the length-balanced loader of the train split;
 - ``checkpointing``: Megatron-LM's ``save_checkpoint`` / ``load_checkpoint`` of ODC chunks;

@@ -176,9 +176,16 @@ class MegatronLmPatches:
         self.revert()
 
 
+def _module_or_none(name: str) -> ModuleType | None:
+    """``name`` imported, or None where the tree has no such module (only reachable under
+    ``MEGATRON_ODC_SKIP_VERSION_CHECK=1``; its shims are then skipped with a warning)."""
+    owner = resolve_name(f"{name}.__name__")
+    return None if is_missing(owner) else importlib.import_module(name)
+
+
 def _apply_cpu_patches(handle: MegatronLmPatches, release: MegatronLmRelease) -> None:
-    initialize = importlib.import_module("megatron.training.initialize")
-    training = importlib.import_module("megatron.training.training")
+    initialize = _module_or_none("megatron.training.initialize")
+    training = _module_or_none("megatron.training.training")
     handle.cpu_patches = apply_cpu_patches()
     # Megatron's own optimizers (the ddp / distopt baselines) check param.type() at
     # construction and in every clip: the whole run is the scope here.

@@ -1,8 +1,8 @@
-"""What a patched Megatron-LM source calls: ``patches/megatron_lm_core_v0.16.1_odc.patch``.
+"""What a patched Megatron-LM source calls: ``patches/megatron_lm_<tag>_odc.patch``, one per tag.
 
 The patch gives a Megatron-LM fork ``--dp-backend odc`` without the launcher. It adds one line at each
-of the launcher's :data:`~megatron_odc.integration.megatron_lm.patching.PATCH_POINTS`, where the name
-is defined or imported::
+patch point of the tag's row (names of :data:`~megatron_odc.integration.megatron_lm.patching.PATCH_POINTS`),
+where the name is defined or imported::
 
     get_model = odc_patch_point(__name__, "get_model", get_model)
 
