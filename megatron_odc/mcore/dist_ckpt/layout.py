@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megatron_odc.mcore.releases import current_release, installed_version
+
 LEGACY_HINT = (
     "convert it with Megatron-LM first (pretrain_gpt.py with the model's flags and --load {load} "
     "--ckpt-format torch --ckpt-convert-format torch_dist --ckpt-convert-save OUT saves it as "
@@ -48,16 +50,24 @@ def check(checkpoint_dir: Path) -> None:
             "model_optim_rng.pt), which megatron_odc does not read: "
             + LEGACY_HINT.format(load=checkpoint_dir.parent)
         )
+    release = current_release()
     for name, role in REQUIRED:
-        if name == "common.pt" and not _writes_common_pt():
-            continue
+        if name == "common.pt" and release.common_state_file is None:
+            continue  # this release also reads the common state from inside the torch_dist files
         if name not in names:
+            if name == "common.pt" and _holds_common_state(checkpoint_dir):
+                raise CheckpointLayoutError(
+                    "was saved by megatron-core 0.19 or later, which keeps the state every rank "
+                    "shares inside the torch_dist files; the installed megatron-core "
+                    f"{installed_version()} reads it only from common.pt. Resume it with megatron-core "
+                    ">= 0.19 (Python 3.12; README: Supported releases)"
+                )
             raise CheckpointLayoutError(f"is incomplete: {name} ({role}) is missing")
 
 
-def _writes_common_pt() -> bool:
-    """megatron-core keeps the common state in ``common.pt`` through 0.18 and inside the torch_dist
-    files from 0.19 on (``mcore/releases.py``'s notes)."""
-    from megatron_odc.mcore.releases import installed_version, parse_version
-
-    return parse_version(installed_version()) < (0, 19, 0)
+def _holds_common_state(checkpoint_dir: Path) -> bool:
+    """Whether torch_dist's index names the ``common_state`` object of megatron-core >= 0.19."""
+    try:
+        return b"common_state" in (checkpoint_dir / ".metadata").read_bytes()
+    except OSError:
+        return False
