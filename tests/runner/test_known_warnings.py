@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 from megatron_odc.runner.known_warnings import SHOW_WARNINGS_ENV
-from tests.runner.test_trainer import _clean_env, _torchrun_command
+from tests.runner.test_trainer import _clean_env, _torchrun_status
 
 TORCHRUN_BANNER = {
     "*****************************************",
@@ -52,14 +52,7 @@ def test_a_run_with_tp_and_saves_prints_only_its_log_and_torchrun_s_banner(tmp_p
     argv += ["--save-interval", "1", "--log-interval", "1"]
     env = _clean_env(shm_dir)
     env.pop(SHOW_WARNINGS_ENV, None)
-    proc = subprocess.run(
-        ["timeout", "150", *_torchrun_command("megatron_odc.train", argv)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=170,
-    )
+    proc = _torchrun_status(argv, tmp_path, shm_dir, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     extra = [line for line in proc.stderr.splitlines() if line.strip() not in TORCHRUN_BANNER]
     assert [line for line in extra if line.strip()] == [], "\n".join(extra[-40:])

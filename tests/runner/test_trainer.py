@@ -186,16 +186,23 @@ def _torchrun_command(module: str, argv: list[str], nproc: int = 2) -> list[str]
     ]
 
 
-def _torchrun(argv: list[str], cwd: Path, shm: Path) -> str:
-    """Runs the entry on 2 CPU ranks; returns its stdout (asserting exit status 0)."""
-    proc = subprocess.run(
+def _torchrun_status(
+    argv: list[str], cwd: Path, shm: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Runs the entry on 2 CPU ranks (``env``: default ``_clean_env(shm)``); returns the process."""
+    return subprocess.run(
         ["timeout", "150", *_torchrun_command("megatron_odc.train", argv)],
         cwd=cwd,
-        env=_clean_env(shm),
+        env=_clean_env(shm) if env is None else env,
         capture_output=True,
         text=True,
         timeout=170,
     )
+
+
+def _torchrun(argv: list[str], cwd: Path, shm: Path) -> str:
+    """Runs the entry on 2 CPU ranks; returns its stdout (asserting exit status 0)."""
+    proc = _torchrun_status(argv, cwd, shm)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc.stdout
 
@@ -424,17 +431,6 @@ def test_backends_and_plans_train_the_same_model(tmp_path):
 
 
 # Resume and skipped steps (issue 37, items 2 and 3) #
-
-
-def _torchrun_status(argv: list[str], cwd: Path, shm: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        ["timeout", "150", *_torchrun_command("megatron_odc.train", argv)],
-        cwd=cwd,
-        env=_clean_env(shm),
-        capture_output=True,
-        text=True,
-        timeout=170,
-    )
 
 
 def _logged_lrs(stdout: str) -> dict[int, float]:
