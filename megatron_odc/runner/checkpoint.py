@@ -238,12 +238,20 @@ def save_checkpoint(
         logger.info("saved checkpoint iteration %d to %s", iteration, final_dir)
 
 
+_WRITER_ERROR_LINES = (
+    "Local process ",  # megatron-core 0.16-0.18
+    "Local worker ",  # 0.19
+    "An error is caught while starting worker ",  # 0.19
+)
+"""How megatron-core's checkpoint writer logs a failed write, in each release."""
+
+
 class _WriterErrorFilter(logging.Filter):
-    """Drops megatron-core's "Local process N encountered an error" lines: the error reaches the
+    """Drops megatron-core's writer error lines (:data:`_WRITER_ERROR_LINES`): the error reaches the
     save as an exception and is named in its one message."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Local process ")
+        return not record.getMessage().startswith(_WRITER_ERROR_LINES)
 
 
 @contextlib.contextmanager
@@ -661,8 +669,8 @@ def _damaged_file(directory: Path) -> str | None:
         FileSystemReader(str(directory)).read_metadata()
     except Exception as exc:  # UnpicklingError, EOFError, ...: whatever a damaged pickle raises
         return f".metadata ({_first_line(exc)})"
-    common = directory / "common.pt"
-    if not zipfile.is_zipfile(common):
+    common = directory / "common.pt"  # absent from megatron-core 0.19's checkpoints
+    if common.is_file() and not zipfile.is_zipfile(common):
         return "common.pt (not a torch file: truncated or overwritten)"
     return None
 
