@@ -220,6 +220,7 @@ def _run_contract(rank: int, world_size: int) -> dict:
     import dataclasses
 
     from megatron_odc.mcore.backends import build_backend
+    from megatron_odc.mcore.config import ODCConfig
     from megatron_odc.mcore.model import GPTConfig, build_gpt_model
     from megatron_odc.mcore.step import gpt_forward_step, train_step
     from tests._megatron import SMALL_GPT, init_megatron, make_batch, teardown_megatron
@@ -265,7 +266,11 @@ def _run_contract(rank: int, world_size: int) -> dict:
         opt.step()
 
         # free_overlap_buffers between minibatches (Megatron-LM: before each save) is harmless.
-        twin, twin_opt = build_backend("odc", build_gpt_model(cfg, seed=7), _optimizer_config(cfg))
+        # Fixed-order sums: the two runs are compared bit for bit (arrival order would differ).
+        same_sums = ODCConfig(deterministic=True)
+        twin, twin_opt = build_backend(
+            "odc", build_gpt_model(cfg, seed=7), _optimizer_config(cfg), odc_config=same_sums
+        )
         for step in (1, 2):
             train_step(twin, twin_opt, gpt_forward_step, batches(step), seq_length=12)
             twin.free_overlap_buffers()
@@ -273,7 +278,9 @@ def _run_contract(rank: int, world_size: int) -> dict:
             twin.engine.unit_state(u).name != "SHARDED" for u in twin.engine.layout.units
         )
         out["held_after_free"] = fetched_after
-        model2, opt2 = build_backend("odc", build_gpt_model(cfg, seed=7), _optimizer_config(cfg))
+        model2, opt2 = build_backend(
+            "odc", build_gpt_model(cfg, seed=7), _optimizer_config(cfg), odc_config=same_sums
+        )
         for step in (1, 2):
             train_step(model2, opt2, gpt_forward_step, batches(step), seq_length=12)
         out["free_changes_nothing"] = all(
