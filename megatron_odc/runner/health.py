@@ -207,6 +207,7 @@ class HealthMonitor:
         }
         try:
             with self._lock:
+                self.end_if_launcher_gone()  # again right before: the store dies with the launcher
                 self._store.set(f"rank{self.rank}", json.dumps(record))
         except Exception as exc:  # the store may be gone with the job; never fail a rank for it
             logger.debug("rank %d: heartbeat not written: %s", self.rank, exc)
