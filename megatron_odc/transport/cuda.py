@@ -252,6 +252,21 @@ def _build_atomic_kernel() -> Any:
     return triton, _peer_atomic_add
 
 
+def _load_atomic_kernel() -> Any:
+    """``(triton, kernel)`` of the atomic mode (compiled at its first launch, on the GPU).
+
+    Raises:
+        ValueError: Triton is not importable (the message names the deterministic mode, which needs none).
+    """
+    try:
+        return _build_atomic_kernel()
+    except ImportError as exc:
+        raise ValueError(
+            "accumulate_mode='atomic' needs Triton, which is not importable "
+            f"({exc}); use accumulate_mode='deterministic'"
+        ) from exc
+
+
 # ---------------------------------------------------------------------- the transport
 
 
@@ -277,8 +292,8 @@ class CudaSymmTransport(Transport):
             since every operation is complete once ``flush`` returns).
 
     Raises:
-        ValueError: no CUDA, no usable symmetric memory, an unknown mode, or a group spanning several hosts
-            (the message names the fallback transport).
+        ValueError: no CUDA, no usable symmetric memory, an unknown mode, the atomic mode without Triton,
+            or a group spanning several hosts (the message names the fallback transport).
     """
 
     def __init__(
@@ -305,6 +320,8 @@ class CudaSymmTransport(Transport):
                 "CudaSymmTransport needs a CUDA device, but torch.cuda.is_available() is False; on "
                 "CPU use odc_transport='shm' (one host) or 'collective'"
             )
+        # Built here, so that a missing Triton is refused before training, not at the first push.
+        self._kernel: Any = _load_atomic_kernel() if accumulate_mode == "atomic" else None
         if not dist.is_initialized():
             raise ValueError(
                 "CudaSymmTransport needs an initialized torch.distributed process group"
@@ -337,7 +354,6 @@ class CudaSymmTransport(Transport):
             symm_mem.enable_symm_mem_for_group(self._group_name)  # idempotent, once per group
         self._handles: dict[str, Any] = {}
         self._staging: dict[str, tuple[torch.Tensor, Any]] = {}  # name -> (staging buffer, handle)
-        self._kernel: Any = None
         self._fence_count = 0
         logger.debug(
             "rank %d: CudaSymmTransport on %s, mode %s, features %s, overlapping devices %s",
@@ -419,14 +435,6 @@ class CudaSymmTransport(Transport):
             self._atomic_add(spec.name, peer, offset, src_flat)
 
     def _atomic_add(self, name: str, peer: int, offset: int, src_flat: torch.Tensor) -> None:
-        if self._kernel is None:
-            try:
-                self._kernel = _build_atomic_kernel()
-            except ImportError as exc:
-                raise ValueError(
-                    "accumulate_mode='atomic' needs Triton, which is not importable "
-                    f"({exc}); use accumulate_mode='deterministic'"
-                ) from exc
         triton, kernel = self._kernel
         ptrs_dev = self._handles[name].buffer_ptrs_dev
         for lo, hi in chunk_ranges(0, src_flat.numel(), MAX_KERNEL_CHUNK_NUMEL):

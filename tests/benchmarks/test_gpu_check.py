@@ -19,9 +19,11 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import gpu_check
 from benchmarks.gpu_check_lib import checks, world
+from megatron_odc.transport.nvshmem import nvshmem_unavailable_reason
 from tests._dist import SHM_ROOT_ENV
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,12 +39,16 @@ def test_gpu_check_dry_run() -> None:
         cwd=REPO,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+    # The probe's verdict: a CPU build of torch has no NVSHMEM; PyPI's CUDA build has it, GPU or not.
+    verdict = nvshmem_unavailable_reason() or "available"
+    if torch.version.cuda is None:
+        assert "has no NVSHMEM" in verdict
     # The dry run lists every check it would run, with the world sizes of the correctness runs.
     for needle in (
         "correctness w=2",
         "correctness w=4",
         "nvshmem w=2",
-        "nvshmem: PyTorch",  # the probe's verdict (this CPU PyTorch has no NVSHMEM)
+        f"nvshmem: {verdict}\n",
         "bandwidth",
         "parity",
         "fp8 emulated",

@@ -13,6 +13,7 @@ processes; the Triton kernels run only on a GPU (``benchmarks/gpu_check.py``, ch
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -77,7 +78,9 @@ def test_a_pytorch_without_nvshmem_is_refused_naming_the_flag(monkeypatch) -> No
         NvshmemTransport()
 
 
-def test_unavailable_reason_reads_the_probe() -> None:
+def test_unavailable_reason_reads_the_probe(monkeypatch) -> None:
+    import megatron_odc.transport.nvshmem as nvshmem
+
     full = SymmMemFeatures(True, True, True, has_set_backend=True, nvshmem_available=True)
     assert nvshmem_unavailable_reason(full) is None
     no_lib = SymmMemFeatures(True, True, True, has_set_backend=True)
@@ -85,21 +88,31 @@ def test_unavailable_reason_reads_the_probe() -> None:
     old = SymmMemFeatures(True, True, True, nvshmem_available=True)
     assert "set_backend" in nvshmem_unavailable_reason(old)
     assert "no usable" in nvshmem_unavailable_reason(SymmMemFeatures(importable=False))
-    if not torch.cuda.is_available():  # this CPU PyTorch: no NVSHMEM
+    # A CPU build has no NVSHMEM; PyPI's CUDA build has it (nvidia-nvshmem) also where no GPU is seen.
+    if torch.version.cuda is None:
         assert "has no NVSHMEM" in nvshmem_unavailable_reason()
+    for features, expected in ((no_lib, nvshmem_unavailable_reason(no_lib)), (full, None)):
+        monkeypatch.setattr(nvshmem, "probe_symm_mem", lambda features=features: features)
+        assert nvshmem_unavailable_reason() == expected  # without an argument: the installed probe
 
 
-def test_missing_triton_or_device_library_is_refused_naming_the_flag() -> None:
-    try:
-        import triton  # noqa: F401
-        from torch.distributed._symmetric_memory import _nvshmem_triton
-
-        _nvshmem_triton.NvshmemLibFinder.find_device_library()
-    except (ImportError, RuntimeError):
-        with pytest.raises(ValueError, match=r"--odc-transport nvshmem needs Triton and NVSHMEM"):
+def test_missing_triton_or_device_library_is_refused_naming_the_flag(monkeypatch, tmp_path) -> None:
+    refusal = (
+        r"--odc-transport nvshmem needs Triton and NVSHMEM's device library .*; keep each shard"
+    )
+    with monkeypatch.context() as hidden:
+        hidden.setitem(sys.modules, "triton", None)  # import triton -> ImportError
+        with pytest.raises(ValueError, match=refusal):
             load_device_ops()
-    else:
-        pytest.skip("Triton and the NVSHMEM device library are installed here")
+    try:
+        from torch.distributed._symmetric_memory import _nvshmem_triton
+    except ImportError:  # no Triton here: the case above is this PyTorch's own
+        return
+    # Triton without the device library: torch looks in NVSHMEM_LIB_DIR (an empty folder here).
+    monkeypatch.setenv("NVSHMEM_LIB_DIR", str(tmp_path))
+    monkeypatch.setattr(_nvshmem_triton.NvshmemLibFinder, "found_device_lib_path", None)
+    with pytest.raises(ValueError, match=r"\(NVSHMEM device library not found at .*\); keep each"):
+        load_device_ops()
 
 
 def test_remote_peers_and_overlaps() -> None:

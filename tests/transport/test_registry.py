@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ from megatron_odc.transport import (
     resolve_transport_name,
     transport_class,
 )
+from megatron_odc.transport.cuda import SymmMemFeatures
 
 
 def test_choices_are_the_registry_plus_auto() -> None:
@@ -31,11 +33,17 @@ def test_auto_follows_the_device() -> None:
     assert resolve_transport_name("collective", torch.device("cuda")) == "collective"
 
 
-def test_auto_crosses_hosts_over_mpi_for_cpu_ranks_and_nvshmem_for_gpus() -> None:
+def test_auto_crosses_hosts_over_mpi_for_cpu_ranks_and_nvshmem_for_gpus(monkeypatch) -> None:
+    import megatron_odc.transport.nvshmem as nvshmem
+
     assert resolve_transport_name("auto", torch.device("cpu"), spans_hosts=True) == "mpi"
     assert resolve_transport_name("shm", torch.device("cpu"), spans_hosts=True) == "shm"
-    if torch.cuda.is_available():
-        return  # GPUs across hosts: nvshmem where available (tests/transport/test_nvshmem.py)
+    # GPUs across hosts: nvshmem where this PyTorch has it (the probe decides, whatever the build).
+    with_nvshmem = SymmMemFeatures(True, True, True, has_set_backend=True, nvshmem_available=True)
+    monkeypatch.setattr(nvshmem, "probe_symm_mem", lambda: with_nvshmem)
+    assert resolve_transport_name("auto", torch.device("cuda"), spans_hosts=True) == "nvshmem"
+    without = dataclasses.replace(with_nvshmem, nvshmem_available=False)
+    monkeypatch.setattr(nvshmem, "probe_symm_mem", lambda: without)
     with pytest.raises(ValueError, match=r"is nvshmem, but PyTorch .*--odc-shard-group-size unset"):
         resolve_transport_name("auto", torch.device("cuda"), spans_hosts=True)
 
