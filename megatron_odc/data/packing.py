@@ -80,11 +80,20 @@ class PackedMicrobatch:
         only when both lie in the same segment and ``j <= i``. It costs ``T**2`` bytes; prefer
         ``cu_seqlens`` where the attention backend supports THD.
         """
-        seg = self.segment_ids()
-        num_tokens = seg.numel()
-        same_segment = seg[:, None] == seg[None, :]
-        causal = torch.ones(num_tokens, num_tokens, dtype=torch.bool).tril()
-        return (~(same_segment & causal)).view(1, 1, num_tokens, num_tokens)
+        return block_causal_mask(self.cu_seqlens)
+
+
+def block_causal_mask(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """The block-diagonal causal mask of the segments ``cu_seqlens`` bounds, bool ``[1, 1, T, T]``
+    (``T = cu_seqlens[-1]``), True = masked out: query ``i`` sees key ``j`` only when both lie in the
+    same segment and ``j <= i``. Empty segments (repeated boundaries) are allowed."""
+    bounds = cu_seqlens.reshape(-1).to(torch.int64)
+    seqlens = bounds[1:] - bounds[:-1]
+    seg = torch.repeat_interleave(torch.arange(seqlens.numel(), device=bounds.device), seqlens)
+    num_tokens = seg.numel()
+    same_segment = seg[:, None] == seg[None, :]
+    causal = torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=bounds.device).tril()
+    return (~(same_segment & causal)).view(1, 1, num_tokens, num_tokens)
 
 
 def pack_microbatch(

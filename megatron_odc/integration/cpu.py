@@ -30,7 +30,16 @@ What each patch is for (the facts behind them: docs/architecture.md, section 3):
    forward_backward_no_pipelining`` (``total_num_tokens``), ``MixedPrecisionOptimizer`` /
    ``FP32Optimizer`` (``found_inf``, ``_scale``), the grad scalers, ``optimizer.clip_grads``,
    ``utils.local_multi_tensor_l2_norm``, ``transformer.utils.get_default_causal_mask`` and
-   ``param_and_grad_buffer``'s warm-up tensor. See [Note: device-remap mode is per thread].
+   ``param_and_grad_buffer``'s warm-up tensor. See 9. Packed (THD) sequences on the local spec, always applied: ``DotProductAttention.forward`` asserts
+   ``packed_seq_params is None`` ("use TEDotProductAttention"), so Megatron-LM's ``--sft`` (whose
+   samples always carry ``cu_seqlens``) cannot run on CPU with either backend. It is replaced by
+   :func:`packed_attention_forward`, which for ``qkv_format="thd"`` runs the original on the
+   ``[t, 1, heads, dim]`` view of the packed ``[t, heads, dim]`` query, key and value with the
+   block-diagonal causal mask of ``cu_seqlens`` (``data.packing.block_causal_mask``; what
+   TransformerEngine's THD kernels compute, here as a dense ``[t, t]`` mask), and returns
+   ``[t, heads * dim]`` as TE does. Without packed parameters the original runs unchanged.
+
+[Note: device-remap mode is per thread].
 4. ``torch.Tensor.cuda`` / ``torch.nn.Module.cuda`` -> identity (return ``self``): ``tensor_parallel.
    data.broadcast_data``, ``DistributedOptimizer`` state gathering, optimizer state reloads.
 5. ``torch.cuda.synchronize`` / ``empty_cache`` -> no-ops: ``parallel_state`` (timeouts), DDP grad-buffer
@@ -83,6 +92,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megatron_odc.data.packing import block_causal_mask
 from megatron_odc.mcore.releases import SKIP_VERSION_CHECK_ENV, Release, current_release
 
 __all__ = [
@@ -285,6 +295,7 @@ class CpuPatches:
     def _apply(self, release: Release) -> None:
         for name in release.cpu_shims:
             CPU_SHIMS[name](self)
+        _shim_packed_attention(self)  # 9, every release
         self.mode.__enter__()
         self._active = True
 
@@ -313,6 +324,66 @@ class CpuPatches:
 
     def __exit__(self, *exc: object) -> None:
         self.revert()
+
+
+def packed_attention_forward(original: Callable) -> Callable:
+    """``DotProductAttention.forward`` that also takes THD packed sequences (shim 9)."""
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: Any = None,
+        attention_bias: Any = None,
+        packed_seq_params: Any = None,
+    ) -> torch.Tensor:
+        if packed_seq_params is None:
+            return original(self, query, key, value, attention_mask, attn_mask_type, attention_bias)
+        if packed_seq_params.qkv_format != "thd":
+            raise ValueError(
+                f"packed sequences in qkv_format {packed_seq_params.qkv_format!r} on CPU: the local "
+                "attention takes 'thd' (cu_seqlens) only"
+            )
+        cu_q = packed_seq_params.cu_seqlens_q_padded
+        cu_q = packed_seq_params.cu_seqlens_q if cu_q is None else cu_q
+        cu_kv = packed_seq_params.cu_seqlens_kv_padded
+        cu_kv = packed_seq_params.cu_seqlens_kv if cu_kv is None else cu_kv
+        if not torch.equal(cu_q.reshape(-1), cu_kv.reshape(-1)):
+            raise ValueError(
+                "packed sequences on CPU need the same cu_seqlens for queries and keys"
+            )
+        mask = block_causal_mask(cu_q).to(query.device)
+        if mask.shape[-1] != query.shape[0]:
+            raise ValueError(
+                f"cu_seqlens cover {mask.shape[-1]} tokens, the packed query has {query.shape[0]}"
+            )
+        out = original(
+            self,
+            query.unsqueeze(1),
+            key.unsqueeze(1),
+            value.unsqueeze(1),
+            mask,
+            attn_mask_type,
+            attention_bias,
+        )
+        return out.reshape(out.shape[0], -1)
+
+    forward.__megatron_odc_original__ = original
+    return forward
+
+
+def _shim_packed_attention(handle: CpuPatches) -> None:
+    qualname = "megatron.core.transformer.dot_product_attention.DotProductAttention.forward"
+    try:
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+    except ImportError as exc:
+        logger.warning("CPU runtime: %s is not patched: %s", qualname, exc)
+        handle.skipped.append(qualname)
+        return
+    original = DotProductAttention.__dict__["forward"]
+    handle._patch(DotProductAttention, "forward", qualname, packed_attention_forward(original))
 
 
 def _make_current_device(handle: CpuPatches) -> Callable[[], str]:

@@ -60,6 +60,7 @@ def test_apply_revert_restores_every_attribute_and_the_mode_stack():
             "torch.Tensor.cuda",
             "torch.nn.Module.cuda",
             "megatron.core.transformer.torch_norm.WrappedTorchNorm.__new__",
+            "megatron.core.transformer.dot_product_attention.DotProductAttention.forward",
         }
         if "current_stream" in current_release().cpu_shims:  # 0.17 and later
             expected.add("torch.cuda.current_stream")

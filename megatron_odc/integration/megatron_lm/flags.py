@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import functools
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,6 +28,7 @@ import torch
 
 from megatron_odc.balance.plan import PLAN_KINDS
 from megatron_odc.core.fp8 import check_fp8_flags
+from megatron_odc.integration.megatron_lm.sft import apply_sft_args
 from megatron_odc.mcore.config import ODC_ENGINE_BACKENDS, refuse_unsupported
 from megatron_odc.runner.launch_env import apply_launch_env
 from megatron_odc.runner.odc_flags import MEGATRON_SAMPLER, add_odc_arguments, resolve_odc_args
@@ -46,9 +48,26 @@ CPU_FLAGS: tuple[tuple[str, ...], ...] = (
     ("--no-bias-dropout-fusion",),
     ("--num-workers", "0"),
     ("--use-cpu-initialization",),
+    ("--no-bias-swiglu-fusion",),
+    ("--no-rope-fusion",),
 )
 """Megatron-LM's flags for a run without CUDA (gloo, torch layers, no fused kernels, no worker
-processes, weights initialised on the CPU), each as its command-line words."""
+processes, weights initialised on the CPU), each as its command-line words. (Without
+``--no-bias-swiglu-fusion``, ``--swiglu`` ends in a ``torch._dynamo`` error on CPU; without
+``--no-rope-fusion``, RoPE asks for TransformerEngine.)"""
+
+TP_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+"""Environment Megatron-LM's ``validate_args`` asserts with ``--tensor-model-parallel-size`` > 1 on
+a pre-Blackwell device (the CPU shims report compute capability 9.0): the ordering of TP communication
+and compute on CUDA; on CPU it changes nothing else. Set only with TP > 1: Megatron-LM's FSDP asserts
+the opposite."""
+
+
+def _tensor_parallel_size(argv: Sequence[str]) -> int:
+    probe = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    probe.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    known, _ = probe.parse_known_args(list(argv))
+    return known.tensor_model_parallel_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +174,8 @@ def refuse_megatron_lm_flags(args: argparse.Namespace) -> None:
 
 
 def with_cpu_flags(argv: list[str], *, cuda: bool) -> list[str]:
-    """``argv`` plus every :data:`CPU_FLAGS` entry the user did not set, without CUDA; logs them.
+    """``argv`` plus every :data:`CPU_FLAGS` entry the user did not set, without CUDA, and
+    with TP > 1 :data:`TP_ENV` where the environment does not set it; logs what it added.
 
     A flag counts as set when ``argv`` holds it as ``--flag`` or ``--flag=value``, whatever its value:
     the user's choice wins. With ``cuda`` nothing is added.
@@ -166,6 +186,10 @@ def with_cpu_flags(argv: list[str], *, cuda: bool) -> list[str]:
     added = [word for flag in CPU_FLAGS if flag[0] not in given for word in flag]
     if added:
         logger.info("no CUDA: added Megatron-LM's CPU flags %s", " ".join(added))
+    env = {name: value for name, value in TP_ENV.items() if name not in os.environ}
+    if env and _tensor_parallel_size(argv) > 1:
+        os.environ.update(env)
+        logger.info("no CUDA: set %s", " ".join(f"{name}={value}" for name, value in env.items()))
     return [*argv, *added]
 
 
@@ -281,7 +305,7 @@ def wrap_parse_args(original: Callable) -> Callable:
                 parser = extra_args_provider(parser)
             return add_odc_args(parser)
 
-        return postprocess_odc_args(original(provider, ignore_unknown_args))
+        return postprocess_odc_args(apply_sft_args(original(provider, ignore_unknown_args)))
 
     parse_args.__megatron_odc_original__ = original
     return parse_args

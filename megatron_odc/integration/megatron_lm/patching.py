@@ -51,6 +51,7 @@ from megatron_odc.integration.megatron_lm.data import wrap_build_pretraining_dat
 from megatron_odc.integration.megatron_lm.flags import wrap_parse_args, wrap_validate_args
 from megatron_odc.integration.megatron_lm.releases import MegatronLmRelease
 from megatron_odc.integration.megatron_lm.schedule import wrap_get_forward_backward_func
+from megatron_odc.integration.megatron_lm.sft import sft_tokenizer_adapter
 from megatron_odc.integration.megatron_lm.version import (
     check_megatron_lm_version,
     installed_megatron_lm_release,
@@ -241,6 +242,9 @@ def apply_megatron_lm_patches(*, cpu: bool = False) -> MegatronLmPatches:
                 continue
             owner = importlib.import_module(point.module)
             handle._patch(owner, point.attr, point.wrap(original, owner))
+        # transformers 5 under core_v0.16.1's SFTTokenizer (sft.py); not a patch point: the class is
+        # only reached with --sft, and later tags have none.
+        handle._scoped.enter_context(sft_tokenizer_adapter())
     except BaseException:
         handle.revert()
         raise

@@ -1,0 +1,101 @@
+"""Megatron-LM's ``--sft`` path in the plugin's environment: the flags it needs and the transformers-5
+adapter of its ``SFTTokenizer``.
+
+- :func:`apply_sft_args` (run by the patched ``parse_args``, before ``validate_args``): ``--sft`` reads
+  its tokenizer through Megatron-LM's legacy tokenizer system where the tag has one (``core_v0.16.1``'s
+  ``--tokenizer-type SFTTokenizer`` is built only there: without ``--legacy-tokenizer`` the run stops on
+  a bare ``AssertionError: Tokenizer path must be specified``), and ``SFTDataset`` asserts that no
+  attention mask is built in the data loader (its samples carry ``cu_seqlens``). Both are set, with
+  one log line, when ``--sft`` is given.
+- :func:`sft_tokenizer_adapter`: ``core_v0.16.1``'s ``SFTTokenizer`` indexes
+  ``apply_chat_template(..., return_tensors="np")[0]`` and takes ``len()`` of the per-turn result,
+  which is transformers 4's token-id array / list; transformers 5 returns a ``BatchEncoding`` by
+  default (``'tokenizers.Encoding' object has no attribute 'copy'``). The adapter wraps the tokenizer's
+  Hugging Face tokenizer so that ``apply_chat_template`` defaults to ``return_dict=False`` (the
+  transformers 4 result; a caller's explicit ``return_dict`` wins). Later tags build the SFT tokenizer
+  in megatron-core, which handles both (no adapter there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import importlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+SFT_TOKENIZER_MODULE = "megatron.training.tokenizer.sft_tokenizer"
+"""Where ``core_v0.16.1`` defines ``SFTTokenizer`` (later tags have no such module)."""
+
+
+def apply_sft_args(args: argparse.Namespace) -> argparse.Namespace:
+    """With ``--sft``: ``--legacy-tokenizer`` (where the tag has it) and
+    ``--no-create-attention-mask-in-dataloader``, logged once; nothing otherwise."""
+    if not getattr(args, "sft", False):
+        return args
+    changed = []
+    if hasattr(args, "legacy_tokenizer") and not args.legacy_tokenizer:
+        args.legacy_tokenizer = True
+        changed.append("--legacy-tokenizer (this tag builds its SFTTokenizer there only)")
+    if getattr(args, "create_attention_mask_in_dataloader", False):
+        args.create_attention_mask_in_dataloader = False
+        changed.append(
+            "--no-create-attention-mask-in-dataloader (SFTDataset's samples carry cu_seqlens)"
+        )
+    if changed:
+        logger.info("--sft: set %s", ", ".join(changed))
+    return args
+
+
+class ChatTemplateIds:
+    """A Hugging Face tokenizer whose ``apply_chat_template`` returns token ids (transformers 4's
+    default) unless the caller asks for ``return_dict``; everything else is the tokenizer's."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+
+    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("return_dict", False)
+        return self._tokenizer.apply_chat_template(*args, **kwargs)
+
+    def __len__(self) -> int:
+        return len(self._tokenizer)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
+
+
+def _wrap_init(original: Any) -> Any:
+    @functools.wraps(original)
+    def init(self, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        if not isinstance(self._tokenizer, ChatTemplateIds):
+            self._tokenizer = ChatTemplateIds(self._tokenizer)
+            logger.info(
+                "SFTTokenizer: apply_chat_template returns token ids (return_dict=False), as "
+                "Megatron-LM's SFTTokenizer expects under transformers 5"
+            )
+
+    return init
+
+
+@contextlib.contextmanager
+def sft_tokenizer_adapter() -> Iterator[bool]:
+    """``SFTTokenizer.__init__`` wraps its tokenizer in :class:`ChatTemplateIds` inside the block;
+    yields whether the tag has that ``SFTTokenizer`` (nothing is changed where it does not)."""
+    try:
+        module = importlib.import_module(SFT_TOKENIZER_MODULE)
+    except ImportError:
+        yield False
+        return
+    cls = module.SFTTokenizer
+    original = cls.__dict__["__init__"]
+    cls.__init__ = _wrap_init(original)
+    try:
+        yield True
+    finally:
+        cls.__init__ = original
