@@ -1,8 +1,11 @@
 """The Megatron-LM patch layer (``megatron_odc.integration.megatron_lm``) and the launcher.
 
-``megatron.training`` is not on PyPI, so the patch layer is exercised against a hand-written fake of the
-patched names (module layout and signatures copied from Megatron-LM ``core_v0.16.1``), written to a
-tmp dir and put on ``sys.path`` inside spawned ranks; megatron-core is the real installed 0.16.1. One
+Megatron-LM's ``megatron.training`` is not a dependency (megatron-core's wheel ships a copy only from
+0.17), so the patch layer is exercised against a fake of the patched names, written from the
+installed megatron-core series' row of ``integration/megatron_lm/releases.py`` (the tag's modules, and
+every name of the row with the row's parameters: :func:`fake_megatron_lm_sources`) to a tmp dir and put
+on ``sys.path`` inside spawned ranks; megatron-core is the real installed one (0.16.1 on Python 3.11,
+0.19.2 on 3.12). One
 2-rank world checks: flags composed with the caller's provider and post-processed, refusals naming the
 flag, ``get_model`` building ``ODCDataParallel`` and restoring ``DDP``, the optimizer factory, the
 planned-count schedule (uneven and zero counts give the same step as another split of the same samples),
@@ -28,19 +31,36 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_odc.integration.megatron_lm.releases import MEGATRON_LM_RELEASES
+from megatron_odc.integration.megatron_lm.releases import (
+    MEGATRON_LM_RELEASES,
+    MegatronLmRelease,
+    release_for_series,
+)
 from megatron_odc.transport.hosts import LOCAL_WORLD_SIZE_ENV
 from tests._dist import run_ranks
 from tests._megatron_lm import E2E_ARGS, megatron_lm_tag, pretrain_gpt_losses
 from tests._mpi import requires_mpi
 
 # ----------------------------------------------------------------------------- the fake Megatron-LM
+#
+# Written from the row of the installed megatron-core's series (``integration/megatron_lm/releases.py``):
+# every name of the row's ``signatures`` exists where the tag has it, with the row's parameter names (so
+# the version guard accepts the fake exactly as it accepts the tag), and the modules are the tag's
+# (``models/dist_utils.py`` from core_v0.18.2). A name the row adds that the fake has no behaviour for
+# is a stub that raises when called. What the fake does is the tags' own flow, read from the row: where
+# the row has ``arguments.parse_and_validate_args``, parsing is that (pretrain_gpt.py's call from
+# core_v0.18.2) and ``initialize_megatron`` parses nothing; ``setup_model_and_optimizer`` builds through
+# the row's first model builder (``get_model``, or ``dist_utils._ddp_wrap`` for core_v0.19.0).
 
-_FAKE_FILES = {
-    "megatron/training/__init__.py": """
-        from megatron.training.global_vars import get_args, set_args
-    """,
-    "megatron/training/global_vars.py": """
+_T = "megatron.training"
+_ARGS = f"{_T}.arguments"
+_INIT = f"{_T}.initialize"
+_TRAIN = f"{_T}.training"
+_DIST_UTILS = f"{_T}.models.dist_utils"
+
+_HEADERS = {
+    f"{_T}": "from megatron.training.global_vars import get_args, set_args",
+    f"{_T}.global_vars": """
         _GLOBAL_ARGS = None
 
         def get_args():
@@ -49,122 +69,239 @@ _FAKE_FILES = {
         def set_args(args):
             global _GLOBAL_ARGS
             _GLOBAL_ARGS = args
+
+        def get_tensorboard_writer():
+            return None
+
+        def get_wandb_writer():
+            return None
     """,
-    "megatron/training/arguments.py": """
+    _ARGS: """
         import argparse
-        import sys
 
-        def parse_args(extra_args_provider=None, ignore_unknown_args=False):
-            parser = argparse.ArgumentParser(description='Megatron-LM Arguments', allow_abbrev=False)
-            parser.add_argument('--micro-batch-size', type=int, default=None)
-            parser.add_argument('--global-batch-size', type=int, default=None)
-            parser.add_argument('--seq-length', type=int, default=None)
-            parser.add_argument('--pipeline-model-parallel-size', type=int, default=1)
-            parser.add_argument('--num-virtual-stages-per-pipeline-rank', type=int, default=None)
-            parser.add_argument('--use-distributed-optimizer', action='store_true')
-            parser.add_argument('--use-megatron-fsdp', action='store_true')
-            parser.add_argument('--use-torch-fsdp2', action='store_true')
-            parser.add_argument('--overlap-grad-reduce', action='store_true')
-            parser.add_argument('--overlap-param-gather', action='store_true')
-            parser.add_argument('--fp8-format', type=str, default=None, dest='fp8')
-            parser.add_argument('--fp8-recipe', type=str, default='delayed')
-            parser.add_argument('--fp8-param-gather', action='store_true')
-            parser.add_argument('--transformer-impl', type=str, default='transformer_engine')
-            parser.add_argument('--calculate-per-token-loss', action='store_true')
-            parser.add_argument('--dataloader-type', type=str, default=None)
-            parser.add_argument('--save', type=str, default=None)
-            parser.add_argument('--load', type=str, default=None)
-            parser.add_argument('--ckpt-format', type=str, default='torch_dist')
-            if extra_args_provider is not None:
-                parser = extra_args_provider(parser)
-            if ignore_unknown_args:
-                args, _ = parser.parse_known_args()
-            else:
-                args = parser.parse_args()
-            return args
-
-        def validate_args(args, defaults={}):
-            import torch
-
-            if args.fp8_param_gather:  # core_v0.16.1's check, which ODC's wrapper must get past
-                assert args.use_distributed_optimizer or not torch.is_grad_enabled(), \
-                    '--fp8-param-gather only supported with distributed optimizer, or inference mode'
-            args.validated = (args.fp8_param_gather, torch.is_grad_enabled())  # as printed
-            # core_v0.16.1 derives the virtual stages here (None for one)
-            vpp = args.num_virtual_stages_per_pipeline_rank
-            args.virtual_pipeline_model_parallel_size = vpp if vpp and vpp > 1 else None
-            return args
-    """,
-    "megatron/training/initialize.py": """
-        from megatron.training.arguments import parse_args, validate_args
         from megatron.training.global_vars import set_args
-
-        def initialize_megatron(extra_args_provider=None, args_defaults={}, ignore_unknown_args=False,
-                                allow_no_cuda=False, skip_mpu_initialization=False,
-                                get_embedding_ranks=None, get_position_embedding_ranks=None,
-                                parsed_args=None, store=None):
-            args = parse_args(extra_args_provider, ignore_unknown_args)
-            validate_args(args, args_defaults)
-            set_args(args)
-            return args
+    """,
+    _INIT: """
+        from megatron.training.global_vars import get_args, set_args
 
         def _compile_dependencies():
             raise RuntimeError('compiles helpers')
 
-        def set_jit_fusion_options():
+        def set_jit_fusion_options(*args, **kwargs):
             raise RuntimeError('needs CUDA')
     """,
-    "megatron/training/checkpointing.py": """
-        def _build_sharded_state_dict_metadata(args, dp_cp_group=None):
-            return {}
-    """,
-    "megatron/training/datasets/__init__.py": "",
-    "megatron/training/datasets/data_samplers.py": """
-        def build_pretraining_data_loader(dataset, consumed_samples):
-            return ('megatron-sampler', dataset, consumed_samples)
-    """,
-    "megatron/training/training.py": """
+    f"{_T}.checkpointing": "",
+    f"{_T}.datasets": "",
+    f"{_T}.datasets.data_samplers": "",
+    _TRAIN: """
         import dataclasses
 
         from megatron.core.distributed import DistributedDataParallelConfig
-        from megatron.core.distributed import DistributedDataParallel as DDP
         from megatron.core.enums import ModelType
-        from megatron.core.optimizer import get_megatron_optimizer
-        from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.utils import get_model_config
-        from megatron.training.datasets.data_samplers import build_pretraining_data_loader
         from megatron.training.global_vars import get_args
-        from megatron.training.initialize import initialize_megatron, set_jit_fusion_options
+        from megatron.training.initialize import set_jit_fusion_options
 
-        def get_model(model_provider_func, model_type=ModelType.encoder_or_decoder,
-                      wrap_with_ddp=True, config=None, pg_collection=None):
-            args = get_args()
-            model = [model_provider_func(pre_process=True, post_process=True)]
-            if wrap_with_ddp:
-                DP = DDP
-                kwargs = {}
-                for f in dataclasses.fields(DistributedDataParallelConfig):
-                    if hasattr(args, f.name):
-                        kwargs[f.name] = getattr(args, f.name)
-                ddp_config = DistributedDataParallelConfig(**kwargs)
-                config = get_model_config(model[0])
-                model = [DP(config=config, ddp_config=ddp_config, module=m,
-                            disable_bucketing=(i > 0)) for i, m in enumerate(model)]
-            return model
+        def _ddp_config(args):
+            kwargs = {}
+            for f in dataclasses.fields(DistributedDataParallelConfig):
+                if hasattr(args, f.name):
+                    kwargs[f.name] = getattr(args, f.name)
+            return DistributedDataParallelConfig(**kwargs)
 
         def _build_elsewhere(model_provider_func):
             # a builder ODC does not hook (as core_v0.19.0's models/dist_utils.py would be unhooked)
-            args = get_args()
             module = model_provider_func(pre_process=True, post_process=True)
-            ddp_config = DistributedDataParallelConfig()
-            return [DDP(config=get_model_config(module), ddp_config=ddp_config, module=module)]
+            return [DDP(config=get_model_config(module), ddp_config=DistributedDataParallelConfig(),
+                        module=module)]
+    """,
+    f"{_T}.models": "",
+    _DIST_UTILS: "from megatron.core.utils import get_model_config",
+}
+"""Each fake module's fixed part; the row's names are added below it."""
 
-        def setup_model_and_optimizer(model_provider_func, model_type, checkpointing_context=None):
-            if getattr(get_args(), 'build_elsewhere', False):
-                return _build_elsewhere(model_provider_func), None, None
-            return get_model(model_provider_func, model_type), None, None
+_IMPORTED = {
+    f"{_TRAIN}.DDP": "from megatron.core.distributed import DistributedDataParallel as DDP",
+    f"{_DIST_UTILS}.DistributedDataParallel": (
+        "from megatron.core.distributed import DistributedDataParallel"
+    ),
+    f"{_TRAIN}.get_megatron_optimizer": "from megatron.core.optimizer import get_megatron_optimizer",
+    f"{_TRAIN}.get_forward_backward_func": (
+        "from megatron.core.pipeline_parallel import get_forward_backward_func"
+    ),
+}
+"""Names of the row that are megatron-core's own objects (the tag imports them)."""
+
+_DEFINED_IN = {
+    f"{_INIT}.parse_args": _ARGS,
+    f"{_INIT}.validate_args": _ARGS,
+    f"{_TRAIN}.initialize_megatron": _INIT,
+    f"{_TRAIN}.build_pretraining_data_loader": f"{_T}.datasets.data_samplers",
+}
+"""Names the tag binds by import from another of its modules: defined there, imported here."""
+
+_PARSE = """
+    if extra_args_provider is not None:
+        parser = extra_args_provider(parser)
+    if ignore_unknown_args:
+        args, _ = parser.parse_known_args()
+    else:
+        args = parser.parse_args()
+    return args
+"""
+_FLAGS = [
+    "'--micro-batch-size', type=int, default=None",
+    "'--global-batch-size', type=int, default=None",
+    "'--seq-length', type=int, default=None",
+    "'--tensor-model-parallel-size', type=int, default=1",
+    "'--num-layers', type=int, default=None",
+    "'--hidden-size', type=int, default=None",
+    "'--ffn-hidden-size', type=int, default=None",
+    "'--num-attention-heads', type=int, default=None",
+    "'--group-query-attention', action='store_true'",
+    "'--num-query-groups', type=int, default=1",
+    "'--swiglu', action='store_true'",
+    "'--vocab-size', type=int, default=None",
+    "'--train-iters', type=int, default=None",
+    "'--log-interval', type=int, default=100",
+    "'--pipeline-model-parallel-size', type=int, default=1",
+    "'--num-virtual-stages-per-pipeline-rank', type=int, default=None",
+    "'--use-distributed-optimizer', action='store_true'",
+    "'--use-megatron-fsdp', action='store_true'",
+    "'--use-torch-fsdp2', action='store_true'",
+    "'--overlap-grad-reduce', action='store_true'",
+    "'--overlap-param-gather', action='store_true'",
+    "'--fp8-format', type=str, default=None, dest='fp8'",
+    "'--fp8-recipe', type=str, default='delayed'",
+    "'--fp8-param-gather', action='store_true'",
+    "'--transformer-impl', type=str, default='transformer_engine'",
+    "'--calculate-per-token-loss', action='store_true'",
+    "'--dataloader-type', type=str, default=None",
+    "'--save', type=str, default=None",
+    "'--load', type=str, default=None",
+    "'--ckpt-format', type=str, default='torch_dist'",
+]
+
+_BODIES = {
+    f"{_ARGS}.parse_args": "parser = argparse.ArgumentParser(description='Megatron-LM Arguments', "
+    "allow_abbrev=False)\n"
+    + "".join(f"parser.add_argument({flag})\n" for flag in _FLAGS)
+    + textwrap.dedent(_PARSE),
+    f"{_ARGS}.validate_args": """
+        import torch
+
+        if args.fp8_param_gather:  # core_v0.16.1's check, which ODC's wrapper must get past
+            assert args.use_distributed_optimizer or not torch.is_grad_enabled(), \\
+                '--fp8-param-gather only supported with distributed optimizer, or inference mode'
+        args.validated = (args.fp8_param_gather, torch.is_grad_enabled())  # as printed
+        # the tags derive the virtual stages here (None for one)
+        vpp = args.num_virtual_stages_per_pipeline_rank
+        args.virtual_pipeline_model_parallel_size = vpp if vpp and vpp > 1 else None
+        return args
+    """,
+    f"{_ARGS}.parse_and_validate_args": """
+        args = parse_args(extra_args_provider, ignore_unknown_args)
+        validate_args(args, args_defaults or {})
+        set_args(args)
+        return args
+    """,
+    f"{_T}.checkpointing._build_sharded_state_dict_metadata": "return {}",
+    f"{_TRAIN}.build_pretraining_data_loader": (
+        "return ('megatron-sampler', dataset, consumed_samples)"
+    ),
+    f"{_TRAIN}.get_model": """
+        args = get_args()
+        model = [model_provider_func(pre_process=True, post_process=True)]
+        if wrap_with_ddp:
+            DP = DDP
+            ddp_config = _ddp_config(args)
+            config = get_model_config(model[0])
+            model = [DP(config=config, ddp_config=ddp_config, module=m,
+                        disable_bucketing=(i > 0)) for i, m in enumerate(model)]
+        return model
+    """,
+    f"{_DIST_UTILS}._ddp_wrap": """
+        config = get_model_config(model[0])
+        return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=m,
+                                        disable_bucketing=(i > 0)
+                                        or bool(overlap_param_gather_with_optimizer_step))
+                for i, m in enumerate(model)]
     """,
 }
+"""What the fake's functions do, keyed by the row's names; the parameters are the row's."""
+
+_DEFAULTS = {"wrap_with_ddp": "True", "ignore_unknown_args": "False"}
+"""Defaults the fake's bodies rely on (every other parameter defaults to None)."""
+
+
+def _row_bodies(row: MegatronLmRelease) -> dict[str, str]:
+    """:data:`_BODIES` plus the two whose behaviour the row decides."""
+    bodies = dict(_BODIES)
+    if "extra_args_provider" in row.signatures[f"{_TRAIN}.initialize_megatron"]:
+        bodies[f"{_TRAIN}.initialize_megatron"] = _BODIES[f"{_ARGS}.parse_and_validate_args"]
+    else:  # the row's pretrain_gpt.py parses first (parse_and_validate_args)
+        bodies[f"{_TRAIN}.initialize_megatron"] = "return get_args()"
+    if row.model_builders[0] == f"{_TRAIN}.get_model":
+        build = "model = get_model(model_provider_func, model_type)"
+    else:
+        assert row.model_builders[0] == f"{_DIST_UTILS}._ddp_wrap", row.model_builders
+        build = (
+            "from megatron.training.models import dist_utils\n\n"
+            "modules = [model_provider_func(pre_process=True, post_process=True)]\n"
+            "model = dist_utils._ddp_wrap(modules, False, _ddp_config(get_args()), False, "
+            "pg_collection=None)"
+        )
+    bodies[f"{_TRAIN}.setup_model_and_optimizer"] = (
+        "if getattr(get_args(), 'build_elsewhere', False):\n"
+        "    return _build_elsewhere(model_provider_func), None, None\n"
+        f"{build}\nreturn model, None, None"
+    )
+    return bodies
+
+
+def fake_megatron_lm_sources(row: MegatronLmRelease) -> dict[str, str]:
+    """``{relative path: source}`` of the fake Megatron-LM of ``row`` (see above)."""
+    bodies = _row_bodies(row)
+    parts: dict[str, list[str]] = {m: [textwrap.dedent(h).strip("\n")] for m, h in _HEADERS.items()}
+    defined: set[str] = set()
+    for name in dict.fromkeys([*row.signatures, *row.patch_points]):
+        module, attr = name.rsplit(".", 1)
+        if name in _IMPORTED:
+            parts[module].append(_IMPORTED[name])
+            continue
+        home = _DEFINED_IN.get(name, module)
+        if home != module:
+            parts[module].append(f"from {home} import {attr}")
+        if f"{home}.{attr}" in defined:
+            continue
+        defined.add(f"{home}.{attr}")
+        params = ", ".join(f"{p}={_DEFAULTS.get(p, 'None')}" for p in row.signatures[name])
+        body = bodies.get(
+            name,
+            f"raise NotImplementedError('{attr}: the fake Megatron-LM has no behaviour for it')",
+        )
+        parts[home].append(
+            f"def {attr}({params}):\n" + textwrap.indent(textwrap.dedent(body).strip("\n"), "    ")
+        )
+    used = {n.rsplit(".", 1)[0] for n in row.signatures} | set(_DEFINED_IN.values())
+    used |= {_ARGS, _INIT, _TRAIN, f"{_T}.global_vars"}
+    used |= {".".join(m.split(".")[:i]) for m in used for i in range(2, m.count(".") + 1)}
+    packages = {m for m in used if any(o.startswith(f"{m}.") for o in used)}
+    return {
+        m.replace(".", "/") + ("/__init__.py" if m in packages else ".py"): "\n\n".join(parts[m])
+        + "\n"
+        for m in sorted(used)
+    }
+
+
+def _installed_row() -> MegatronLmRelease:
+    """The Megatron-LM row of the installed megatron-core's series."""
+    from megatron_odc.mcore.releases import current_release
+
+    row = release_for_series(current_release().series)
+    assert row is not None, current_release()
+    return row
+
 
 CFG_KW = {
     "num_layers": 2,
@@ -176,13 +313,15 @@ CFG_KW = {
 }
 BASE_ARGV = ["pretrain_gpt.py", "--micro-batch-size", "1", "--global-batch-size", "4"]
 BASE_ARGV += ["--seq-length", str(CFG_KW["seq_length"]), "--transformer-impl", "local"]
+BASE_ARGV += [f"--{k.replace('_', '-')}={v}" for k, v in CFG_KW.items() if k != "seq_length"]
+BASE_ARGV += ["--train-iters", "1", "--log-interval", "1"]
 
 
-def _write_fake_megatron_lm(root: Path) -> None:
-    for rel, text in _FAKE_FILES.items():
+def _write_fake_megatron_lm(root: Path, row: MegatronLmRelease) -> None:
+    for rel, text in fake_megatron_lm_sources(row).items():
         path = root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(textwrap.dedent(text))
+        path.write_text(text)
 
 
 def _import_fake(fake_root: str):
@@ -199,7 +338,11 @@ def _import_fake(fake_root: str):
 
 
 def _parse(initialize, argv: list[str], extra=None):
+    """Megatron-LM's args from ``argv`` as the row's ``pretrain_gpt.py`` gets them."""
     sys.argv = list(argv)
+    if f"{_ARGS}.parse_and_validate_args" in _installed_row().signatures:
+        sys.modules[_ARGS].parse_and_validate_args(extra_args_provider=extra)
+        return initialize.initialize_megatron()
     return initialize.initialize_megatron(extra_args_provider=extra)
 
 
@@ -394,20 +537,18 @@ def _run_fake_training(rank: int, world_size: int, fake_root: str) -> dict:
     from megatron_odc.integration import megatron_lm
     from megatron_odc.integration.cpu import SKIP_VERSION_CHECK_ENV
     from megatron_odc.integration.megatron_lm.schedule import PlannedCountSchedule
+    from megatron_odc.integration.megatron_lm.version import resolve_name
     from megatron_odc.mcore.data_parallel import ODCDataParallel
     from megatron_odc.mcore.model import GPTConfig
     from tests._megatron import init_megatron, make_batch, teardown_megatron
 
     arguments, initialize, training = _import_fake(fake_root)
-    names = ["get_model", "get_megatron_optimizer", "get_forward_backward_func"]
-    names += ["build_pretraining_data_loader", "DDP", "set_jit_fusion_options"]
-    originals = {n: getattr(training, n) for n in names}
-    originals["parse_args"] = arguments.parse_args
-    originals["init.parse_args"] = initialize.parse_args
-    originals["validate_args"] = arguments.validate_args
-    originals["init.validate_args"] = initialize.validate_args
+    row = _installed_row()
+    # Every patch point and swapped class of the row, and the CPU shims' targets in the tree.
+    names = sorted({*row.patch_points, *row.signatures, f"{_TRAIN}.set_jit_fusion_options"})
+    originals = {n: resolve_name(n) for n in names}
     originals["is_available"] = torch.cuda.is_available
-    out: dict = {}
+    out: dict = {"row": row.tag}
 
     # Version refusal: a wrong megatron-core version, then a changed signature; nothing stays patched.
     real_version = package_info.__version__
@@ -422,7 +563,7 @@ def _run_fake_training(rank: int, world_size: int, fake_root: str) -> dict:
         package_info.__version__ = real_version
     training.get_forward_backward_func = lambda pp_size=None: None
     out["refuse_signature"] = _error_of(megatron_lm.apply_megatron_lm_patches)
-    training.get_forward_backward_func = originals["get_forward_backward_func"]
+    training.get_forward_backward_func = originals[f"{_TRAIN}.get_forward_backward_func"]
     # The skip variable with a patch point gone: skipped with a warning, never an AttributeError.
     setup = training.setup_model_and_optimizer
     del training.setup_model_and_optimizer
@@ -435,9 +576,7 @@ def _run_fake_training(rank: int, world_size: int, fake_root: str) -> dict:
     finally:
         os.environ.pop(SKIP_VERSION_CHECK_ENV, None)
         training.setup_model_and_optimizer = setup
-    out["clean_after_refusal"] = all(getattr(training, n) is originals[n] for n in names) and (
-        arguments.parse_args is originals["parse_args"]
-    )
+    out["clean_after_refusal"] = all(resolve_name(n) is originals[n] for n in names)
 
     init_megatron(1, seed=7)
     handle = megatron_lm.apply_megatron_lm_patches()
@@ -454,7 +593,8 @@ def _run_fake_training(rank: int, world_size: int, fake_root: str) -> dict:
             type(model[0].ddp_config).__name__,
             model[0].odc_config.bucket_size,
         )
-        out["ddp_restored"] = training.DDP is DistributedDataParallel
+        ddp_names = [n for n in row.signatures if n.endswith((".DDP", ".DistributedDataParallel"))]
+        out["ddp_restored"] = [resolve_name(n) is DistributedDataParallel for n in ddp_names]
         model[0].close()
         # After Megatron-LM built the model, a chunk ODC did not wrap stops the run (one line).
         from megatron_odc.integration.megatron_lm.builders import close_odc_chunks
@@ -465,13 +605,19 @@ def _run_fake_training(rank: int, world_size: int, fake_root: str) -> dict:
         def provider(pre_process, post_process):
             return build_gpt_model(cfg, seed=11)
 
-        out["setup_odc"] = type(training.setup_model_and_optimizer(provider, None)[0][0]).__name__
+        built = training.setup_model_and_optimizer(model_provider_func=provider, model_type=None)
+        out["setup_odc"] = type(built[0][0]).__name__
+        out["setup_ddp_restored"] = [resolve_name(n) is DistributedDataParallel for n in ddp_names]
         close_odc_chunks()
         margs.build_elsewhere = True
-        out["unhooked"] = _error_of(lambda: training.setup_model_and_optimizer(provider, None))
+        out["unhooked"] = _error_of(
+            lambda: training.setup_model_and_optimizer(
+                model_provider_func=provider, model_type=None
+            )
+        )
         margs.dp_backend = None
         out["unhooked_stock"] = type(
-            training.setup_model_and_optimizer(provider, None)[0][0]
+            training.setup_model_and_optimizer(model_provider_func=provider, model_type=None)[0][0]
         ).__name__
         _parse(initialize, BASE_ARGV)
         stock = _build(training, cfg, seed=11)
@@ -510,11 +656,7 @@ def _run_fake_training(rank: int, world_size: int, fake_root: str) -> dict:
     finally:
         handle.revert()
         teardown_megatron()
-    out["restored"] = {n: getattr(training, n) is originals[n] for n in names}
-    out["restored"]["parse_args"] = arguments.parse_args is originals["parse_args"]
-    out["restored"]["init.parse_args"] = initialize.parse_args is originals["init.parse_args"]
-    for key, owner in (("validate_args", arguments), ("init.validate_args", initialize)):
-        out["restored"][key] = owner.validate_args is originals[key]
+    out["restored"] = {n: resolve_name(n) is originals[n] for n in names}
 
     # The count is broadcast over TP from the rank that has data (TP=2: both ranks).
     init_megatron(2, seed=7)
@@ -544,7 +686,7 @@ def _run_fake_training(rank: int, world_size: int, fake_root: str) -> dict:
         torch.cuda.is_available is originals["is_available"],
         torch.zeros(1).type(),
         active_cpu_patches() is None,
-        training.set_jit_fusion_options is originals["set_jit_fusion_options"],
+        training.set_jit_fusion_options is originals[f"{_TRAIN}.set_jit_fusion_options"],
         dict(vars(DistributedOptimizer)) == distopt_methods,
     )
     return out
@@ -553,7 +695,7 @@ def _run_fake_training(rank: int, world_size: int, fake_root: str) -> dict:
 @pytest.fixture(scope="module")
 def fake_results(tmp_path_factory) -> list[dict]:
     root = tmp_path_factory.mktemp("fake_megatron_lm")
-    _write_fake_megatron_lm(root)
+    _write_fake_megatron_lm(root, _installed_row())
     return run_ranks(_run_fake_training, 2, str(root), timeout_s=120, pg_timeout_s=60)
 
 
@@ -660,7 +802,9 @@ def test_get_model_swaps_ddp_only_while_it_runs(fake_results) -> None:
         assert res["unhooked_stock"] == "DistributedDataParallel"
         assert res["odc_wrapped"]
         assert res["odc_config"] == ("DistributedDataParallelConfig", 3000)
-        assert res["ddp_restored"]
+        assert res["ddp_restored"]  # training.DDP, and dist_utils' from core_v0.18.2
+        assert all(res["ddp_restored"]), res["ddp_restored"]
+        assert res["setup_ddp_restored"] == res["ddp_restored"]
         assert res["stock_type"] == "DistributedDataParallel"
 
 
@@ -710,7 +854,9 @@ def test_balanced_loader_and_tp_broadcast(fake_results) -> None:
 
 
 def test_version_refusal_and_revert(fake_results) -> None:
+    row = _installed_row()
     for res in fake_results:
+        assert res["row"] == row.tag
         assert "0.15.0" in res["refuse_version"]
         assert "core_v0.16.1" in res["refuse_version"]
         assert "MEGATRON_ODC_SKIP_VERSION_CHECK" in res["refuse_version"]
@@ -719,12 +865,10 @@ def test_version_refusal_and_revert(fake_results) -> None:
         assert res["clean_after_refusal"]
         assert all(res["restored"].values()), res["restored"]
         # Exactly the row's patch points (the source patch reaches the same list).
-        assert res["patched"] == list(MEGATRON_LM_RELEASES[0].patch_points)
+        assert res["patched"] == list(row.patch_points)
         assert "setup_model_and_optimizer is missing" in res["refuse_missing"]
         assert res["skip_missing_patched"] == [
-            p
-            for p in MEGATRON_LM_RELEASES[0].patch_points
-            if not p.endswith("setup_model_and_optimizer")
+            p for p in row.patch_points if not p.endswith("setup_model_and_optimizer")
         ]
         assert res["cpu_shims"] == (True, "torch.cuda.FloatTensor", 1)
         assert res["cpu_reverted"] == (True, "torch.FloatTensor", True, True, True)
