@@ -25,6 +25,10 @@ hybrid sharding, fences of the shard group, and ``finish_minibatch`` then sums t
 replica group: [Note: hybrid sharding] in ``groups.py``);
 ``begin_minibatch`` communicates only when the previous minibatch did not end with ``end_step``.
 
+Between steps ``offload_shards`` / ``onload_shards`` move the owned shards to the host and back into
+a new transport (the RL phases of ``mcore/rl/offload.py``); ``iter_full_parameters`` yields the full
+parameters unit by unit (rollout weight sync).
+
 No megatron import: the Megatron-facing wrapper (``mcore/data_parallel.py``) and the hooks (``hooks.py``)
 drive it.
 """
@@ -33,7 +37,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -188,6 +192,8 @@ class ODCEngine:
         )
         self._pending: dict[str, set[str]] = {unit: set() for unit in self.layout.units}
         self._ready: dict[str, set[str]] = {unit: set() for unit in self.layout.units}
+        self._host_shards: dict[str, torch.Tensor] | None = None  # while offloaded
+        self._host_specs: list = []
         self.transport.fence()  # every shard written and visible: the first minibatch needs no fence
 
     # ------------------------------------------------------------------ construction checks
@@ -222,6 +228,10 @@ class ODCEngine:
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"DP rank {self.dp_rank}: the ODC engine is closed")
+        if self._host_shards is not None:
+            raise RuntimeError(
+                f"DP rank {self.dp_rank}: the owned shards are offloaded; onload them first"
+            )
 
     # ------------------------------------------------------------------ fetch / release
 
@@ -515,20 +525,27 @@ class ODCEngine:
 
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter's current value, gathered one-sidedly from the owners (copies)."""
-        out: dict[str, torch.Tensor] = {}
+        return dict(self.iter_full_parameters())
+
+    def iter_full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, copy of its current value)`` unit by unit, in layout order: each released unit is
+        fetched before its parameters are yielded and released again before the next unit is
+        fetched, so at most one unit is unsharded beyond those already held. One-sided: no rank
+        waits for another."""
         for unit in self.layout.units:
             was_sharded = self.unit_state(unit) is BucketState.SHARDED
             self.fetch(unit)
-            for name in self.storage.names(unit):
-                param = self.storage.entry(name).param
-                if name in self.fp8_names:  # the values the FP8 bytes stand for
-                    data = self.fp8_codec.raw_data(param).reshape(-1)
-                    out[name] = self.fp8_codec.dequantize_bytes(param, data).view(param.shape)
-                else:
-                    out[name] = param.detach().clone()
-            if was_sharded:
-                self._release(unit)
-        return out
+            try:
+                for name in self.storage.names(unit):
+                    param = self.storage.entry(name).param
+                    if name in self.fp8_names:  # the values the FP8 bytes stand for
+                        data = self.fp8_codec.raw_data(param).reshape(-1)
+                        yield name, self.fp8_codec.dequantize_bytes(param, data).view(param.shape)
+                    else:
+                        yield name, param.detach().clone()
+            finally:
+                if was_sharded:
+                    self._release(unit)
 
     def persistent_nbytes(self) -> int:
         """Bytes of the owned parameter shards and gradient accumulators."""
@@ -537,6 +554,55 @@ class ODCEngine:
     def unsharded_nbytes(self) -> int:
         """Bytes of unsharded parameter and gradient buffers currently allocated."""
         return self.storage.unsharded_nbytes()
+
+    # ------------------------------------------------------------------ offload between phases
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether the owned shards are off the device (:meth:`offload_shards`)."""
+        return self._host_shards is not None
+
+    def offload_shards(self, host: torch.device) -> None:
+        """Collective, between steps: copy every owned shard (parameters and gradient accumulators)
+        to ``host`` and close the transport, which frees its memory (every unit is released first).
+
+        Until :meth:`onload_shards` nothing may fetch, push or read a shard.
+
+        Raises:
+            RuntimeError: called inside a minibatch, or twice.
+        """
+        self._check_open()
+        if self.offloaded:
+            raise RuntimeError(f"DP rank {self.dp_rank}: the owned shards are already offloaded")
+        if self.phase is not MinibatchPhase.READY:
+            raise RuntimeError(
+                f"DP rank {self.dp_rank}: offload between steps, not in minibatch phase "
+                f"{self.phase.value}"
+            )
+        self.release_all()
+        self._complete_own_operations()
+        self.transport.fence()  # no peer still reads this rank's shards
+        names = self.transport.buffer_names
+        self._host_specs = [self.transport.spec(name) for name in names]
+        self._host_shards = {name: self.transport.local(name).to(host, copy=True) for name in names}
+        self.transport.close()
+
+    def onload_shards(self, transport: Transport) -> None:
+        """Collective: register the offloaded shards in ``transport`` (a new endpoint over the same
+        group and device), copy them back and fence; the engine then runs on ``transport``."""
+        if self._closed:
+            raise RuntimeError(f"DP rank {self.dp_rank}: the ODC engine is closed")
+        if not self.offloaded:
+            raise RuntimeError(f"DP rank {self.dp_rank}: onload without an offload")
+        for spec in self._host_specs:
+            local = transport.register(
+                spec.name, spec.numel, spec.dtype, accumulate=spec.accumulate
+            )
+            local.copy_(self._host_shards[spec.name])
+        self.transport = transport
+        self.owned.transport = transport
+        self._host_shards = None
+        transport.fence()  # every shard written and visible before anyone fetches it
 
     def close(self) -> None:
         """Release the transport; the parameters become unusable."""

@@ -167,6 +167,8 @@ class ODCDataParallel(DistributedDataParallel):
             options["accumulate_mode"] = (
                 "deterministic" if odc_config.deterministic else odc_config.cuda_accumulate
             )
+        self.transport_options = options
+        """The transport's build options (a transport is rebuilt with them after an offload)."""
         transport = build_transport(self.transport_name, self.shard_group, **options)
         try:
             self.engine = ODCEngine(
@@ -215,8 +217,14 @@ class ODCDataParallel(DistributedDataParallel):
 
     def finish_grad_sync(self, force_all_reduce: bool | None = False) -> None:
         """The minibatch fence: after it every owner holds the full gradient sums of its shards (TP-
-        replicated parameters summed over TP, a tied embedding over the first and last stage)."""
+        replicated parameters summed over TP, a tied embedding over the first and last stage).
+
+        Without the per-token contract (``calculate_per_token_loss=False``: each rank's loss already
+        carries its own normalisation, as verl's and NeMo-RL's do) the sums are divided by the DP size,
+        as megatron-core's DDP averages over DP (docs/rl.md)."""
         self.engine.finish_minibatch()
+        if not self.config.calculate_per_token_loss:
+            self.engine.scale_gradients(1.0 / dist.get_world_size(self.dp_group))
         self._allreduce_tp_replicated_grads()
         if self.tied_embedding is not None:
             self.tied_embedding.allreduce_grads(self.engine)

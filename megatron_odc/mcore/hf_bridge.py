@@ -238,6 +238,14 @@ def load_hf_weights(gpt: torch.nn.Module, hf_dir: str | os.PathLike) -> None:
     logger.info("loaded %d HF tensors from %s", len(taken), path)
 
 
+def bridge_for(gpt: torch.nn.Module, hf_config: Any) -> Any:
+    """The bridge of ``gpt`` (a bare, TP-sharded ``GPTModel``) to ``hf_config`` (from
+    :func:`read_hf_config`): megatron's current TP groups, the model's padded vocabulary."""
+    bridge = make_bridge(hf_config, gpt.config.params_dtype, parallel=True)
+    _set_vocab_padding(bridge, gpt.vocab_size)
+    return bridge
+
+
 def checkpoint_vocab_size(checkpoint_dir: str | os.PathLike) -> int:
     """The vocabulary (embedding rows) of a torch_dist checkpoint of a GPT.
 
@@ -253,20 +261,35 @@ def checkpoint_vocab_size(checkpoint_dir: str | os.PathLike) -> int:
     raise ValueError(f"{checkpoint_dir}: the checkpoint holds no embedding.word_embeddings.weight")
 
 
-def _hf_tensors(bridge: Any, gpt: torch.nn.Module, full: dict[str, torch.Tensor]):
-    """``(hf name, tensor)`` of every parameter, merged across TP (collective over the TP group)."""
+def hf_global_names(bridge: Any, gpt: torch.nn.Module) -> dict[str, str]:
+    """The bridge's global megatron name of each of ``gpt``'s (TP-local) parameter names."""
+    return bridge._weight_name_mapping_mcore_local_to_global(gpt, consider_ep=False)
+
+
+def hf_tensors_of(
+    bridge: Any, global_name: str, name: str, param: torch.nn.Parameter, value: torch.Tensor
+) -> list[tuple[str, torch.Tensor]]:
+    """``(hf name, tensor)`` of one parameter's full TP-local ``value``, merged across TP (collective
+    over the TP group for a TP-split parameter), on the CPU."""
     tp_group = parallel_state.get_tensor_model_parallel_group()
     tp_size = dist.get_world_size(tp_group)
-    global_names = bridge._weight_name_mapping_mcore_local_to_global(gpt, consider_ep=False)
+    value = value.detach()
+    if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
+        parts = [torch.empty_like(value) for _ in range(tp_size)]
+        dist.all_gather(parts, value.contiguous(), group=tp_group)
+        value = bridge._weight_merge_across_tp(name, parts, param)
+    names, tensors = bridge._weight_to_hf_format(global_name, value)
+    return [
+        (hf_name, tensor.detach().to("cpu").contiguous())
+        for hf_name, tensor in zip(names, tensors, strict=True)
+    ]
+
+
+def _hf_tensors(bridge: Any, gpt: torch.nn.Module, full: dict[str, torch.Tensor]):
+    """``(hf name, tensor)`` of every parameter, merged across TP (collective over the TP group)."""
+    global_names = hf_global_names(bridge, gpt)
     for name, param in gpt.named_parameters():
-        value = full[name].detach()
-        if tp_size > 1 and getattr(param, "tensor_model_parallel", False):
-            parts = [torch.empty_like(value) for _ in range(tp_size)]
-            dist.all_gather(parts, value.contiguous(), group=tp_group)
-            value = bridge._weight_merge_across_tp(name, parts, param)
-        names, tensors = bridge._weight_to_hf_format(global_names[name], value)
-        for hf_name, tensor in zip(names, tensors, strict=True):
-            yield hf_name, tensor.detach().to("cpu").contiguous()
+        yield from hf_tensors_of(bridge, global_names[name], name, param, full[name])
 
 
 def export_hf(
@@ -294,8 +317,7 @@ def export_hf(
     rank = dist.get_rank() if dist.is_initialized() else 0
     written = None
     if parallel_state.get_data_parallel_rank() == 0:
-        bridge = make_bridge(hf_config, gpt.config.params_dtype, parallel=True)
-        _set_vocab_padding(bridge, gpt.vocab_size)
+        bridge = bridge_for(gpt, hf_config)
         tensors = _hf_tensors(bridge, gpt, full)
         if rank == 0:
             written = _write_hf_dir(bridge, tensors, Path(out_dir), Path(hf_dir))

@@ -110,6 +110,25 @@ def fused_multi_tensor(
         return optimizer, f"{optimizer_cls.__name__} foreach"
 
 
+def check_optimizer_config(config: OptimizerConfig) -> None:
+    """Every refusal of the ODC optimizer, before anything is built (no communication).
+
+    Raises:
+        ValueError: an optimizer it cannot shard element-wise (only adam and sgd), or an option it
+            does not combine with (``config.UNSUPPORTED``), named.
+    """
+    if config.optimizer not in ("adam", "sgd"):
+        raise ValueError(
+            f"--optimizer {config.optimizer!r} is not supported by the ODC optimizer (adam, sgd)"
+        )
+    refuse_unsupported(
+        "odc",
+        use_distributed_optimizer=config.use_distributed_optimizer,
+        use_precision_aware_optimizer=config.use_precision_aware_optimizer,
+        optimizer_cuda_graph=getattr(config, "optimizer_cuda_graph", None),  # 0.17+ field
+    )
+
+
 class ODCOptimizer(MegatronOptimizer):
     """Adam (or SGD) over the owned shards of every ODC-wrapped model chunk.
 
@@ -129,16 +148,7 @@ class ODCOptimizer(MegatronOptimizer):
         config_overrides: dict | None = None,
         grad_stats_group: dist.ProcessGroup | None = None,
     ) -> None:
-        if config.optimizer not in ("adam", "sgd"):
-            raise ValueError(
-                f"--optimizer {config.optimizer!r} is not supported by the ODC optimizer (adam, sgd)"
-            )
-        refuse_unsupported(
-            "odc",
-            use_distributed_optimizer=config.use_distributed_optimizer,
-            use_precision_aware_optimizer=config.use_precision_aware_optimizer,
-            optimizer_cuda_graph=getattr(config, "optimizer_cuda_graph", None),  # 0.17+ field
-        )
+        check_optimizer_config(config)
         self.model_chunks = list(model_chunks)
         self.engines: list[ODCEngine] = [chunk.engine for chunk in self.model_chunks]
         self.grad_stats_parallel_group = grad_stats_group or dist.group.WORLD
@@ -431,6 +441,26 @@ class ODCOptimizer(MegatronOptimizer):
     def _settle_main_params(self) -> None:
         if self._mains_follow_model:
             self.reload_model_params()
+
+    # ------------------------------------------------------------------ offload between phases
+
+    def device_tensors(self) -> list[torch.Tensor]:
+        """The tensors this optimizer keeps on the engines' device: the fp32 main shards and the
+        inner optimizer's state (the pieces are views of the main shards)."""
+        tensors = [m for mains in self._main_shards for m in mains]
+        for state in self.optimizer.state.values():
+            tensors += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        return [t for t in tensors if t.device == self.device]
+
+    def unbind_grads(self) -> None:
+        """Drop each piece's gradient view into the engine's accumulators (before they are freed)."""
+        for piece in self.pieces:
+            piece.main.grad = None
+
+    def bind_grads(self) -> None:
+        """Point each piece's gradient at the engine's current accumulators (after they moved)."""
+        for piece in self.pieces:
+            piece.main.grad = piece.engine.owned.piece_grad(piece.owned)
 
     # ------------------------------------------------------------------ state
 

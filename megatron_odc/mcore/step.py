@@ -9,6 +9,8 @@ with zero microbatches skips the schedule and calls ``finalize_model_grads`` its
 stages the schedule is megatron-core's 1F1B, every stage of a DP replica runs the replica's microbatches
 (checked first: :func:`~megatron_odc.mcore.pipeline.agree_pipeline_count`) and a replica with none
 skips the schedule on every stage. Works for every backend: ODC, FSDP, megatron-core DDP / distopt.
+:func:`forward_backward` is that schedule call on its own (``train_step`` and external training loops,
+``rl/loop.py``, run it in place of megatron-core's ``get_forward_backward_func()``).
 :func:`per_token_loss` and :func:`gpt_forward_step` are the loss and forward step of a GPT on packed
 batches.
 """
@@ -37,8 +39,53 @@ def finalize_without_microbatches(model_chunks: Sequence[torch.nn.Module]) -> No
     """
     config = get_model_config(model_chunks[0])
     finalize = config.finalize_model_grads_func or finalize_model_grads
-    # megatron-core all-reduces the token count over DP: on the group's device (CUDA for NCCL).
-    finalize(list(model_chunks), torch.zeros([], dtype=torch.int, device=collective_device()))
+    # megatron-core all-reduces the token count over DP (on the group's device: CUDA for NCCL) only
+    # under the per-token contract; without it the schedule passes None, and so must this rank.
+    num_tokens = (
+        torch.zeros([], dtype=torch.int, device=collective_device())
+        if config.calculate_per_token_loss
+        else None
+    )
+    finalize(list(model_chunks), num_tokens)
+
+
+def forward_backward(
+    *, forward_step_func: Callable, data_iterator: Any, model: Any, num_microbatches: int, **kwargs
+) -> list:
+    """megatron-core's forward-backward schedule on this rank's own ``num_microbatches``, 0 included.
+
+    Takes the keyword arguments of the function ``get_forward_backward_func()`` returns. With pipeline
+    stages every stage of this rank's pipeline must pass the same count (checked first, one small
+    all-reduce over the pipeline: :func:`~megatron_odc.mcore.pipeline.agree_pipeline_count`). A
+    training call with 0 skips the schedule (which cannot run zero) and runs
+    :func:`finalize_without_microbatches`; it returns no loss reports. Forward-only calls are passed
+    through unchanged.
+    """
+    schedule = get_forward_backward_func()
+    if kwargs.get("forward_only", False):
+        return schedule(
+            forward_step_func=forward_step_func,
+            data_iterator=data_iterator,
+            model=model,
+            num_microbatches=num_microbatches,
+            **kwargs,
+        )
+    if isinstance(num_microbatches, bool) or int(num_microbatches) != num_microbatches:
+        raise ValueError(f"num_microbatches must be an integer >= 0, got {num_microbatches!r}")
+    if num_microbatches < 0:
+        raise ValueError(f"num_microbatches must be >= 0, got {num_microbatches}")
+    agree_pipeline_count(int(num_microbatches))
+    chunks = model if isinstance(model, list) else [model]
+    if num_microbatches == 0:
+        finalize_without_microbatches(chunks)
+        return []
+    return schedule(
+        forward_step_func=forward_step_func,
+        data_iterator=data_iterator,
+        model=model,
+        num_microbatches=int(num_microbatches),
+        **kwargs,
+    )
 
 
 def per_token_loss(
@@ -100,23 +147,18 @@ def train_step(
             "uneven microbatch counts need --calculate-per-token-loss "
             "(TransformerConfig.calculate_per_token_loss=True)"
         )
-    agree_pipeline_count(len(microbatches))
     model.zero_grad_buffer()
     optimizer.zero_grad()
     with phase("forward-backward"):
-        if microbatches:
-            losses = get_forward_backward_func()(
-                forward_step_func=forward_step_func,
-                data_iterator=iter(microbatches),
-                model=[model],
-                num_microbatches=len(microbatches),
-                seq_length=seq_length,
-                micro_batch_size=micro_batch_size,
-                forward_only=False,
-            )
-        else:
-            losses = []
-            finalize_without_microbatches([model])
+        losses = forward_backward(
+            forward_step_func=forward_step_func,
+            data_iterator=iter(microbatches),
+            model=[model],
+            num_microbatches=len(microbatches),
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            forward_only=False,
+        )
     with phase("optimizer step"):
         update_successful, grad_norm, num_zeros = optimizer.step()
     return {

@@ -1,0 +1,67 @@
+"""The refusals of ``mcore/rl/loop.py`` that need no process group: loss contracts and optimizers.
+
+A contract not exact under uneven microbatch counts (a per-rank mean, a per-microbatch mean), a contract
+the model's ``calculate_per_token_loss`` contradicts, and an optimizer ODC cannot shard are each refused
+in one line naming what to do, before anything is wrapped (the model here is a stand-in: a refusal that
+reached the wrapper would fail on it).
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+
+def _model(per_token: bool) -> object:
+    return types.SimpleNamespace(config=types.SimpleNamespace(calculate_per_token_loss=per_token))
+
+
+def _optimizer(name: str = "adam", **extra):
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(optimizer=name, lr=1e-3, **extra)
+
+
+@pytest.mark.parametrize(
+    ("contract", "per_token", "named"),
+    [
+        ("per_rank_mean", True, "'per_rank_mean' is not exact"),
+        ("microbatch_mean", False, "'microbatch_mean' is not exact"),
+        ("mean", True, "unknown loss contract 'mean'"),
+        ("global_tokens", True, "needs TransformerConfig.calculate_per_token_loss=False"),
+        ("per_token", False, "needs TransformerConfig.calculate_per_token_loss=True"),
+    ],
+)
+def test_inexact_or_contradicted_loss_contracts_are_refused(contract, per_token, named) -> None:
+    from megatron_odc.mcore.rl.loop import build_rl_backend
+
+    with pytest.raises(ValueError, match=named) as error:
+        build_rl_backend("odc", _model(per_token), _optimizer(), loss_contract=contract)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "named"),
+    [
+        (("muon",), "--optimizer 'muon' is not supported by the ODC optimizer"),
+        (("adam",), "distributed"),
+    ],
+)
+def test_an_optimizer_odc_cannot_shard_is_refused_before_wrapping(optimizer, named) -> None:
+    from megatron_odc.mcore.rl.loop import build_rl_backend
+
+    extra = {"use_distributed_optimizer": True} if named == "distributed" else {}
+    with pytest.raises(ValueError, match=named):
+        build_rl_backend(
+            "odc", _model(True), _optimizer(*optimizer, **extra), loss_contract="per_token"
+        )
+
+
+def test_global_tokens_scale_is_local_count_times_dp_over_global_tokens() -> None:
+    from megatron_odc.mcore.rl.loop import global_tokens_scale
+
+    assert global_tokens_scale(3, 120, 4) == 3 * 4 / 120
+    assert global_tokens_scale(0, 0, 2) == 0.0
