@@ -4,6 +4,7 @@ session temporary directory for the launchers the tests start."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_slow)
 
 
+_CREATOR = re.compile(r"^megatron_odc-p(\d+)-")
+"""The creator's pid in an shm transport's file name (``transport/shm.py``)."""
+
+
 def _odc_shm_entries() -> set[str]:
     # The harness's private per-run directories (megatron_odc_test_*) are removed by the harness itself
     # and may belong to a concurrent test session; transports writing straight to /dev/shm must not leak.
@@ -36,11 +41,27 @@ def _odc_shm_entries() -> set[str]:
     return {p.name for p in root.iterdir() if p.name.startswith("megatron_odc-")}
 
 
+def _of_another_session(name: str) -> bool:
+    """Whether ``name`` was made by a live process outside this session's process tree (a concurrent
+    test run on the same machine); an entry whose creator is gone is this session's to account for."""
+    import psutil
+
+    match = _CREATOR.match(name)
+    if match is None:
+        return False
+    try:
+        creator = psutil.Process(int(match.group(1)))
+        ancestors = {p.pid for p in creator.parents()}
+    except psutil.Error:
+        return False
+    return os.getpid() != creator.pid and os.getpid() not in ancestors
+
+
 @pytest.fixture(autouse=True)
 def _no_shm_left_behind():
     before = _odc_shm_entries()
     yield
-    left = _odc_shm_entries() - before
+    left = {n for n in _odc_shm_entries() - before if not _of_another_session(n)}
     assert not left, f"test left shared-memory entries behind: {sorted(left)}"
 
 
