@@ -238,24 +238,35 @@ class LogFigures:
             f"lm loss: {self.lm_loss:.6E}",
             f"grad norm: {grad_norm:.3f}" if grad_norm is not None else "grad norm: n/a",
             f"tokens/s: {self.tokens_per_s:.0f}",
-            f"num microbatches min/max: {self.min_microbatches}/{self.max_microbatches}",
+            microbatches_part(self.min_microbatches, self.max_microbatches),
             f"number of skipped iterations: {self.num_skipped:3d}"
             + (" (every step of the interval)" if self.num_skipped == self.num_iterations else ""),
         ]
         if self.loss_scale is not None:
             parts.append(f"loss scale: {self.loss_scale:.1f}")
-        parts += [
-            f"plan ahead/wait max (ms): {self.plan_ahead_ms_max:.1f}/{self.plan_wait_ms_max:.1f}",
-        ]
-        telemetry = self.telemetry
-        if telemetry is not None:
-            parts.append(f"odc compute imbalance: {telemetry['compute_imbalance']:.2f}x")
-            parts.append(
-                "fetch/push/fence wait max/mean (ms): "
-                f"{1000 * telemetry['fetch_wait_s_max']:.1f}/"
-                f"{1000 * telemetry['fetch_wait_s_mean']:.1f}, "
-                f"{1000 * telemetry['push_s_max']:.1f}/{1000 * telemetry['push_s_mean']:.1f}, "
-                f"{1000 * telemetry['fence_s_max']:.1f}/{1000 * telemetry['fence_s_mean']:.1f}"
-            )
+        parts += odc_parts(self.plan_ahead_ms_max, self.plan_wait_ms_max, self.telemetry)
         parts.append(f"ETA {datetime.timedelta(seconds=round(max(self.eta_s, 0.0)))}")
         return " | ".join(parts)
+
+
+def microbatches_part(low: int | None, high: int | None) -> str:
+    """The log line's microbatch counts (min / max over the ranks and iterations of the interval)."""
+    return f"num microbatches min/max: {low}/{high}"
+
+
+def odc_parts(
+    plan_ahead_ms_max: float, plan_wait_ms_max: float, telemetry: dict[str, float] | None
+) -> list[str]:
+    """The log line's planner and ODC figures (the telemetry reduced over DP, or None): also what
+    the Megatron-LM launcher's ODC line shows (``integration/megatron_lm/odc_log.py``)."""
+    parts = [f"plan ahead/wait max (ms): {plan_ahead_ms_max:.1f}/{plan_wait_ms_max:.1f}"]
+    if telemetry is not None:
+        parts.append(f"odc compute imbalance: {telemetry['compute_imbalance']:.2f}x")
+        parts.append(
+            "fetch/push/fence wait max/mean (ms): "
+            f"{1000 * telemetry['fetch_wait_s_max']:.1f}/"
+            f"{1000 * telemetry['fetch_wait_s_mean']:.1f}, "
+            f"{1000 * telemetry['push_s_max']:.1f}/{1000 * telemetry['push_s_mean']:.1f}, "
+            f"{1000 * telemetry['fence_s_max']:.1f}/{1000 * telemetry['fence_s_mean']:.1f}"
+        )
+    return parts

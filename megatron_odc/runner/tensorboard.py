@@ -44,6 +44,31 @@ ODC_TELEMETRY_TAGS = {
 """Tag -> (key of the reduced ODC telemetry, factor): the figures of the log line's ODC part."""
 
 
+def odc_scalars(
+    min_microbatches: int | None,
+    max_microbatches: int | None,
+    plan_ahead_ms_max: float | None,
+    plan_wait_ms_max: float | None,
+    telemetry: dict[str, float] | None,
+) -> dict[str, float]:
+    """ODC's scalars under their ``odc/`` tags (those given; None leaves a figure out): also what the
+    Megatron-LM launcher writes to Megatron-LM's TensorBoard / wandb writers
+    (``integration/megatron_lm/odc_log.py``)."""
+    scalars: dict[str, float] = {}
+    for tag, value in (
+        ("odc/num-microbatches-min", min_microbatches),
+        ("odc/num-microbatches-max", max_microbatches),
+        ("odc/plan-ahead-ms-max", plan_ahead_ms_max),
+        ("odc/plan-wait-ms-max", plan_wait_ms_max),
+    ):
+        if value is not None:
+            scalars[tag] = value
+    if telemetry is not None:
+        for tag, (key, factor) in ODC_TELEMETRY_TAGS.items():
+            scalars[tag] = factor * telemetry[key]
+    return scalars
+
+
 def _missing(package: str, flag: str, error: ImportError) -> ValueError:
     return ValueError(
         f"{flag} needs the {package} package, which is not importable ({error}): "
@@ -134,17 +159,18 @@ class MetricsWriter:
         scalars = {
             "iteration-time": figures.ms_per_iteration / 1000.0,
             "tokens-per-second": figures.tokens_per_s,
-            "odc/num-microbatches-min": figures.min_microbatches,
-            "odc/num-microbatches-max": figures.max_microbatches,
-            "odc/plan-ahead-ms-max": figures.plan_ahead_ms_max,
-            "odc/plan-wait-ms-max": figures.plan_wait_ms_max,
+            **odc_scalars(
+                figures.min_microbatches,
+                figures.max_microbatches,
+                figures.plan_ahead_ms_max,
+                figures.plan_wait_ms_max,
+                None,
+            ),
             "skipped-iterations": figures.num_skipped,
         }
         if figures.loss_scale is not None:
             scalars["loss-scale"] = figures.loss_scale
-        if figures.telemetry is not None:
-            for tag, (key, factor) in ODC_TELEMETRY_TAGS.items():
-                scalars[tag] = factor * figures.telemetry[key]
+        scalars.update(odc_scalars(None, None, None, None, figures.telemetry))
         for tag, value in scalars.items():
             self._scalar(tag, value, iteration)
         if self.tensorboard is not None:

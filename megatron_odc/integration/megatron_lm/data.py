@@ -1,17 +1,46 @@
 """Length-balanced microbatches of Megatron-LM's train split, planned per global batch.
 
 With ``--balance`` other than ``none``, the train split gets a :class:`BalancedPretrainingLoader` whose
-iterator exposes ``next_num_microbatches()`` (what ``schedule.py`` asks). Megatron-LM's samples are fixed
-``[seq_length]`` packs, so every sample costs the same and LB-Mini gives every DP rank the same count;
-the plan is still made per global batch by ``data.sampler.LengthBalancedSampler`` (one global batch
-ahead, on a lookahead thread) and its count drives the schedule. With pipeline stages the plan is made
-over DP replicas (``--pipeline-model-parallel-size`` stages each): the first and last stage of a replica
-(where Megatron-LM's GPT builds the dataset) plan the same global batch for the same DP rank, so they
-get the same microbatches.
+iterator exposes ``next_num_microbatches()`` (what ``schedule.py`` asks). Global batch ``i`` is always
+samples ``[i * global_batch_size, (i + 1) * global_batch_size)``, Megatron-LM's ``single`` sampler's,
+so ``consumed_samples`` and resume keep their meaning; the plan is made per global batch by
+``data.sampler.LengthBalancedSampler`` (one global batch ahead, on a lookahead thread) and its count
+drives the schedule. With pipeline stages the plan is made over DP replicas
+(``--pipeline-model-parallel-size`` stages each): the first and last stage of a replica (where
+Megatron-LM's GPT builds the dataset) plan the same global batch for the same DP rank, so they get the
+same microbatches.
+
+Two kinds of Megatron-LM datasets:
+
+- Fixed packs (``GPTDataset``, ``MockGPTDataset``): every sample is ``[seq_length]`` tokens and costs
+  the same, so every plan gives every DP rank the same count; each microbatch is one sample.
+- Records with real lengths (``--sft``'s ``SFTDataset``, any dataset whose samples carry
+  ``cu_seqlens``): each record is Megatron-LM's ``[seq_length]`` pack of one JSONL line, padded at the
+  end with the tokenizer's pad id. [Note: packed records] says how the loader reads each record's real
+  length, plans with the model's cost ``a*s^2 + b*s`` (``balance/cost.py``, as the plugin's entry) and
+  packs several records into one microbatch.
+
+[Note: packed records]
+A record's real length is ``seq_length`` less its trailing run of pad tokens (the pad id is the
+dataset's tokenizer's, ``config.tokenizer.pad``); its own ``cu_seqlens`` (one segment per conversation,
+the last one stretched over the padding by Megatron-LM) are cut at that length. The plan packs records
+into microbatches of at most ``--max-tokens-per-microbatch`` real tokens (default ``seq_length``); a
+microbatch is the records' tokens, labels, loss masks and position ids concatenated, with one
+``cu_seqlens`` over every conversation, in the record format of the dataset (``[1, n + 1]`` int32; a
+tag whose records carry ``seq_length + 1`` boundaries, right-padded with the total, gets the same
+width). Records are never padded one by one. The microbatch itself is padded to ``seq_length`` (one
+more segment, no loss) only where Megatron-LM needs a fixed shape: tensor parallelism (only TP rank 0
+reads data; the others receive ``[micro_batch_size, seq_length]`` tensors) and pipeline parallelism
+(stage-to-stage sends of ``[seq_length, micro_batch_size, hidden]``); otherwise it has exactly its real
+tokens. Every record's labels already end in a pad label (loss mask 0), so no token predicts across
+records; with the block-diagonal attention of ``cu_seqlens`` (TransformerEngine's THD, or the CPU
+runtime's shim 9) each record's loss is what it is alone, and per-token loss makes the global batch's
+loss the same however its records are split.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Iterator
@@ -19,9 +48,10 @@ from typing import Any
 
 import torch
 
+from megatron_odc.balance.cost import CostModel
+from megatron_odc.balance.plan import Plan
 from megatron_odc.data.lookahead import Lookahead
 from megatron_odc.data.sampler import LengthBalancedSampler
-from megatron_odc.mcore.config import ODC_ENGINE_BACKENDS
 from megatron_odc.runner.odc_flags import MEGATRON_SAMPLER
 
 logger = logging.getLogger(__name__)
@@ -32,9 +62,10 @@ class BalancedPretrainingLoader:
 
     Global batch ``i`` is samples ``[i * global_batch_size, (i + 1) * global_batch_size)`` in dataset
     order (like Megatron-LM's ``single`` sampler); its plan is :meth:`LengthBalancedSampler.assignment`
-    over the sample lengths (every sample is ``seq_length`` tokens: a Megatron-LM GPT sample is a fixed
-    pack). Iterating yields an iterator whose ``next_num_microbatches()`` starts the next global batch
-    and returns this rank's count; ``next()`` then returns its collated microbatches one by one.
+    over the sample lengths (``seq_length`` each for fixed packs; the real lengths of records, see
+    [Note: packed records]). Iterating yields an iterator whose ``next_num_microbatches()`` starts the
+    next global batch and returns this rank's count; ``next()`` then returns its microbatches one by
+    one.
 
     Args:
         dataset: a map-style dataset of sample dicts.
@@ -47,6 +78,9 @@ class BalancedPretrainingLoader:
         pipeline_stages: pipeline stages per DP replica; with more than 1 the plan is made over the
             replicas for the 1F1B schedule (``make_plan(pipeline_stages=...)``) and every stage of a
             replica, each with its own loader, gets the same microbatches.
+        cost_model: the per-sample cost of records (default: tokens).
+        max_tokens: real tokens per microbatch of records (default ``seq_length``).
+        fixed_shape: pad each microbatch of records to ``seq_length`` (tensor / pipeline parallelism).
     """
 
     def __init__(
@@ -60,6 +94,9 @@ class BalancedPretrainingLoader:
         seq_length: int,
         plan_kind: str = "lb_mini",
         pipeline_stages: int = 1,
+        cost_model: CostModel | None = None,
+        max_tokens: int | None = None,
+        fixed_shape: bool = False,
     ) -> None:
         if consumed_samples % global_batch_size:
             raise ValueError(
@@ -73,30 +110,163 @@ class BalancedPretrainingLoader:
         self.seq_length = seq_length
         self.plan_kind = plan_kind
         self.pipeline_stages = pipeline_stages
+        self.cost_model = cost_model
+        self.max_tokens = seq_length if max_tokens is None else max_tokens
+        self.fixed_shape = fixed_shape
         self.num_global_batches = len(dataset) // global_batch_size
         self.start_index = consumed_samples // global_batch_size
+        self.records = len(dataset) > 0 and "cu_seqlens" in dataset[0]
+        self.pad_id = _pad_id(dataset) if self.records else None
+        if self.records and fixed_shape and self.max_tokens != seq_length:
+            raise ValueError(
+                f"--max-tokens-per-microbatch {self.max_tokens} with tensor or pipeline parallelism: "
+                f"Megatron-LM's microbatches are [1, seq_length] there, so it must be {seq_length}"
+            )
+
+    def _sampler(self, lengths: list[int]) -> LengthBalancedSampler:
+        return LengthBalancedSampler(
+            lengths,
+            global_batch_size=self.global_batch_size,
+            dp_size=self.dp_size,
+            dp_rank=self.dp_rank,
+            plan_kind=self.plan_kind,
+            cap_tokens=self.max_tokens if self.records else self.seq_length,
+            cost_model=self.cost_model if self.records else None,
+            shuffle=False,
+            pipeline_stages=self.pipeline_stages,
+        )
 
     def rank_microbatches(self, index: int) -> tuple[tuple[int, ...], ...]:
         """This rank's microbatches (dataset indices) of global batch ``index``.
 
         The plan covers one global batch at a time, so the cost does not grow with the dataset.
         """
-        sampler = LengthBalancedSampler(
-            [self.seq_length] * self.global_batch_size,
-            global_batch_size=self.global_batch_size,
-            dp_size=self.dp_size,
-            dp_rank=self.dp_rank,
-            plan_kind=self.plan_kind,
-            cap_tokens=self.seq_length,
-            shuffle=False,
-            pipeline_stages=self.pipeline_stages,
-        )
+        return self.plan_batch(index).microbatches
+
+    def plan_batch(self, index: int) -> PlannedBatch:
+        """Global batch ``index``: its plan, and this rank's microbatches (dataset indices), with the
+        collated microbatches already built for records."""
         offset = index * self.global_batch_size
-        microbatches = sampler.assignment(0, 0).microbatches
-        return tuple(tuple(offset + i for i in mb) for mb in microbatches)
+        records: list[dict] = []
+        if self.records:
+            records = [self.dataset[offset + i] for i in range(self.global_batch_size)]
+            lengths = [record_length(r, self.pad_id) for r in records]
+        else:
+            lengths = [self.seq_length] * self.global_batch_size
+        assignment = self._sampler(lengths).assignment(0, 0)
+        microbatches = tuple(tuple(offset + i for i in mb) for mb in assignment.microbatches)
+        batches = None
+        if self.records:
+            batches = tuple(
+                pack_records(
+                    [records[i - offset] for i in mb],
+                    pad_id=self.pad_id,
+                    pad_to=self.seq_length if self.fixed_shape else None,
+                    cu_width=self.seq_length + 1
+                    if _fixed_width(records[0], self.seq_length)
+                    else None,
+                )
+                for mb in microbatches
+            )
+        return PlannedBatch(
+            microbatches=microbatches,
+            batches=batches,
+            plan=assignment.plan,
+        )
 
     def __iter__(self) -> _BalancedIterator:
         return _BalancedIterator(self, self.start_index)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedBatch:
+    """One global batch as this rank sees it.
+
+    Attributes:
+        microbatches: this rank's microbatches (dataset indices).
+        batches: the collated microbatches of records (None for fixed packs: collated when used).
+        plan: every rank's plan (counts, costs: the log line's figures).
+    """
+
+    microbatches: tuple[tuple[int, ...], ...]
+    batches: tuple[dict[str, torch.Tensor], ...] | None
+    plan: Plan
+
+
+def _pad_id(dataset: Any) -> int:
+    """The pad id of a dataset of records (its tokenizer's)."""
+    for candidate in (dataset, *getattr(dataset, "datasets", ())):
+        tokenizer = getattr(getattr(candidate, "config", None), "tokenizer", None)
+        pad = getattr(tokenizer, "pad", None)
+        if isinstance(pad, int):
+            return pad
+    raise ValueError(
+        f"--balance on {type(dataset).__name__}: its samples carry cu_seqlens but no tokenizer pad id "
+        "was found (dataset.config.tokenizer.pad) to tell each record's real length; pass --balance "
+        "none to keep Megatron-LM's sampler"
+    )
+
+
+def _fixed_width(record: dict, seq_length: int) -> bool:
+    return int(record["cu_seqlens"].numel()) == seq_length + 1
+
+
+def record_length(record: dict, pad_id: int) -> int:
+    """Real tokens of a Megatron-LM record: its length less the trailing run of ``pad_id`` tokens
+    (at least 1)."""
+    tokens = record["tokens"].reshape(-1)
+    not_pad = torch.nonzero(tokens != pad_id)
+    return max(int(not_pad[-1]) + 1, 1) if not_pad.numel() else 1
+
+
+def pack_records(
+    records: list[dict], *, pad_id: int, pad_to: int | None = None, cu_width: int | None = None
+) -> dict[str, torch.Tensor]:
+    """One microbatch of Megatron-LM records, each cut to its real length ([Note: packed records]).
+
+    Args:
+        records: the dataset's sample dicts (``tokens``, ``labels``, ``loss_mask``, ``position_ids``,
+            ``cu_seqlens``), in order.
+        pad_id: the tokenizer's pad id.
+        pad_to: pad the microbatch to this many tokens with one more segment (no loss).
+        cu_width: right-pad ``cu_seqlens`` with the total to this many entries (the record format of
+            tags whose records carry a fixed width).
+
+    Returns:
+        ``tokens``, ``labels``, ``position_ids`` int64 ``[1, T]``, ``loss_mask`` float32 ``[1, T]``,
+        ``cu_seqlens`` int32 ``[1, n + 1]``, ``max_seqlen`` int32 ``[1]``.
+    """
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in _TOKEN_KEYS}
+    bounds = [0]
+    for record in records:
+        length = record_length(record, pad_id)
+        for key in _TOKEN_KEYS:
+            parts[key].append(record[key].reshape(-1)[:length])
+        cuts = [int(c) for c in record["cu_seqlens"].reshape(-1)[1:] if 0 < int(c) < length]
+        bounds += [bounds[-1] + c for c in cuts] + [bounds[-1] + length]
+    total = bounds[-1]
+    if pad_to is not None and pad_to > total:
+        extra = pad_to - total
+        parts["tokens"].append(torch.full((extra,), pad_id, dtype=torch.int64))
+        parts["labels"].append(torch.full((extra,), pad_id, dtype=torch.int64))
+        parts["loss_mask"].append(torch.zeros(extra, dtype=torch.float32))
+        parts["position_ids"].append(torch.arange(extra, dtype=torch.int64))
+        bounds.append(pad_to)
+    elif pad_to is not None and pad_to < total:
+        raise ValueError(f"pad_to={pad_to} is shorter than the packed microbatch ({total} tokens)")
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32)
+    max_seqlen = (cu_seqlens[1:] - cu_seqlens[:-1]).max().reshape(1)
+    if cu_width is not None and cu_width > cu_seqlens.numel():
+        fill = torch.full((cu_width - cu_seqlens.numel(),), bounds[-1], dtype=torch.int32)
+        cu_seqlens = torch.cat([cu_seqlens, fill])
+    batch = {key: torch.cat(parts[key]).unsqueeze(0) for key in _TOKEN_KEYS}
+    batch["loss_mask"] = batch["loss_mask"].to(torch.float32)
+    batch["cu_seqlens"] = cu_seqlens.unsqueeze(0)
+    batch["max_seqlen"] = max_seqlen.to(torch.int32)
+    return batch
+
+
+_TOKEN_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
 
 class _BalancedIterator(Iterator):
@@ -107,9 +277,16 @@ class _BalancedIterator(Iterator):
         self.loader = loader
         self.index = index
         self.pending: list[tuple[int, ...]] = []
-        self.plans: Lookahead[int, tuple[tuple[int, ...], ...]] = Lookahead(
-            loader.rank_microbatches, name="megatron_odc-plan"
+        self.pending_batches: list[dict[str, torch.Tensor]] = []
+        self.plans: Lookahead[int, PlannedBatch] = Lookahead(
+            loader.plan_batch, name="megatron_odc-plan"
         )
+        self.last: PlannedBatch | None = None
+        """The global batch handed out last (its plan and timing: the ODC log line)."""
+        self.last_wait_s = 0.0
+        """How long the last ``next_num_microbatches`` waited for the lookahead thread."""
+        self.last_plan_s = 0.0
+        """How long reading, planning and packing the last global batch took on that thread."""
 
     def next_num_microbatches(self) -> int:
         if self.pending:
@@ -119,7 +296,11 @@ class _BalancedIterator(Iterator):
         if self.index >= self.loader.num_global_batches:
             raise StopIteration
         following = self.index + 1 if self.index + 1 < self.loader.num_global_batches else None
-        self.pending = list(self.plans.get(self.index, following).value)
+        prepared = self.plans.get(self.index, following)
+        self.last = prepared.value
+        self.last_wait_s, self.last_plan_s = prepared.wait_s, prepared.produce_s
+        self.pending = list(self.last.microbatches)
+        self.pending_batches = list(self.last.batches or ())
         self.index += 1
         return len(self.pending)
 
@@ -129,7 +310,23 @@ class _BalancedIterator(Iterator):
             if not self.pending:
                 raise RuntimeError("this rank has no microbatch in this step; ask the count first")
         sample_ids = self.pending.pop(0)
+        if self.pending_batches:
+            return self.pending_batches.pop(0)
         return torch.utils.data.default_collate([self.loader.dataset[i] for i in sample_ids])
+
+
+def megatron_lm_cost_model(args: Any) -> CostModel:
+    """The FLOP cost model of Megatron-LM's GPT from its args (``CostModel.from_model_config``, the
+    plugin's entry's model)."""
+    return CostModel.from_model_config(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        vocab_size=getattr(args, "padded_vocab_size", None) or args.vocab_size,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        gated_mlp=bool(args.swiglu),
+    )
 
 
 def wrap_build_pretraining_data_loader(original: Callable) -> Callable:
@@ -145,17 +342,13 @@ def wrap_build_pretraining_data_loader(original: Callable) -> Callable:
         split = getattr(dataset, "index_split", getattr(dataset, "split", None))
         if (
             dataset is None
-            or getattr(args, "dp_backend", None) not in ODC_ENGINE_BACKENDS
-            or args.balance == MEGATRON_SAMPLER
+            or getattr(args, "dp_backend", None) is None
+            or args.balance in (None, MEGATRON_SAMPLER)
             or split != Split.train
         ):
             return original(dataset, consumed_samples)
-        logger.info(
-            "train split: BalancedPretrainingLoader (--balance %s, %d samples)",
-            args.balance,
-            len(dataset),
-        )
-        return BalancedPretrainingLoader(
+        fixed_shape = args.tensor_model_parallel_size > 1 or args.pipeline_model_parallel_size > 1
+        loader = BalancedPretrainingLoader(
             dataset,
             consumed_samples,
             global_batch_size=args.global_batch_size,
@@ -164,7 +357,28 @@ def wrap_build_pretraining_data_loader(original: Callable) -> Callable:
             seq_length=args.seq_length,
             plan_kind=args.balance,
             pipeline_stages=args.pipeline_model_parallel_size,
+            cost_model=megatron_lm_cost_model(args),
+            max_tokens=args.max_tokens_per_microbatch,
+            fixed_shape=fixed_shape,
         )
+        if loader.records:
+            logger.info(
+                "train split: BalancedPretrainingLoader (--balance %s, %d records with real lengths, "
+                "packed up to %d tokens per microbatch%s; cost a*s^2+b*s with a=%.3g, b=%.3g)",
+                args.balance,
+                len(dataset),
+                loader.max_tokens,
+                ", padded to --seq-length for tensor / pipeline parallelism" if fixed_shape else "",
+                loader.cost_model.a,
+                loader.cost_model.b,
+            )
+        else:
+            logger.info(
+                "train split: BalancedPretrainingLoader (--balance %s, %d samples of --seq-length)",
+                args.balance,
+                len(dataset),
+            )
+        return loader
 
     build_pretraining_data_loader.__megatron_odc_original__ = original
     return build_pretraining_data_loader

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from megatron_odc.balance.plan import PLAN_KINDS
+from megatron_odc.balance.plan import EQUAL_COUNT_PLAN_KINDS, PLAN_KINDS
 from megatron_odc.core.fp8 import check_fp8_flags
 from megatron_odc.integration.megatron_lm.sft import apply_sft_args
 from megatron_odc.mcore.config import ODC_ENGINE_BACKENDS, refuse_unsupported
@@ -242,7 +242,19 @@ def postprocess_odc_args(args: argparse.Namespace) -> argparse.Namespace:
         use_precision_aware_optimizer=getattr(args, "use_precision_aware_optimizer", False),
     )
     if backend not in ODC_ENGINE_BACKENDS:
+        # Megatron-LM's own DDP keeps its sampler unless an equal-count plan is asked for (the
+        # packing baseline: the balanced loader's microbatches, the same count on every rank).
+        if args.balance is None:
+            args.balance = MEGATRON_SAMPLER
+        elif args.balance not in (*EQUAL_COUNT_PLAN_KINDS, MEGATRON_SAMPLER):
+            raise ValueError(
+                f"--balance {args.balance} gives DP ranks different numbers of microbatches; with "
+                f"--dp-backend {backend} use --balance {' or '.join(EQUAL_COUNT_PLAN_KINDS)} or none, "
+                "or --dp-backend odc"
+            )
         resolve_odc_args(args)  # refuses --odc-* options
+        if args.balance != MEGATRON_SAMPLER:
+            _per_token_loss(args, f"--balance {args.balance} packs records into microbatches")
         args.use_distributed_optimizer = backend == "distopt"
         return args
     refuse_megatron_lm_flags(args)
@@ -270,12 +282,19 @@ def postprocess_odc_args(args: argparse.Namespace) -> argparse.Namespace:
                 f"(got {args.dataloader_type})"
             )
         cap = args.seq_length * args.micro_batch_size
-        if args.max_tokens_per_microbatch not in (None, cap):
+        if getattr(args, "sft", False):
+            # records of real lengths are packed up to the cap (data.py); each is up to seq_length
+            if args.max_tokens_per_microbatch is not None and args.max_tokens_per_microbatch < cap:
+                raise ValueError(
+                    f"--max-tokens-per-microbatch {args.max_tokens_per_microbatch} with --sft: a "
+                    f"record may hold --seq-length tokens, so it must be at least {cap}"
+                )
+        elif args.max_tokens_per_microbatch not in (None, cap):
             raise ValueError(
                 f"--max-tokens-per-microbatch {args.max_tokens_per_microbatch}: Megatron-LM's "
                 f"microbatches are [micro_batch_size, seq_length], so it must be {cap}"
             )
-    args.calculate_per_token_loss = True
+    _per_token_loss(args, f"--dp-backend {backend} lets DP ranks run different microbatch counts")
     args.tp_only_amax_red = True
     # Megatron-LM stores --fp8-format as args.fp8; TE layers are its default --transformer-impl.
     # Unlike the plugin entry, FP8 compute with --transformer-impl local is left to Megatron-LM.
@@ -290,6 +309,26 @@ def postprocess_odc_args(args: argparse.Namespace) -> argparse.Namespace:
     args.overlap_grad_reduce = False
     args.overlap_param_gather = False
     return args
+
+
+@functools.cache
+def log_once(message: str, *args: object) -> None:
+    """``logger.info`` once per process (Megatron-LM parses its arguments more than once)."""
+    logger.info(message, *args)
+
+
+def _per_token_loss(args: argparse.Namespace, because: str) -> None:
+    """Turn on ``--calculate-per-token-loss``, saying so once, where the user did not."""
+    if getattr(args, "calculate_per_token_loss", False):
+        return
+    args.calculate_per_token_loss = True
+    log_once(
+        "set --calculate-per-token-loss: %s, and only the global per-token mean (every loss token "
+        "of the global batch weighted alike) gives the same loss and gradient however the samples are "
+        "split; compare with Megatron-LM's DDP run with --calculate-per-token-loss (its default "
+        "averages per microbatch)",
+        because,
+    )
 
 
 def wrap_parse_args(original: Callable) -> Callable:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from megatron.core import parallel_state
 
+from megatron_odc.integration.megatron_lm.odc_log import OdcLogLine
 from megatron_odc.mcore.data_parallel import ODCDataParallel
 from megatron_odc.mcore.pipeline import agree_pipeline_count
 from megatron_odc.mcore.step import finalize_without_microbatches
@@ -32,8 +33,9 @@ DEFAULT_LOSS_KEYS = ("lm loss",)
 class PlannedCountSchedule:
     """Wraps a megatron-core forward-backward function to run this rank's planned microbatch count.
 
-    Applies to training calls (``forward_only=False``) on ``ODCDataParallel`` chunks; anything else is
-    passed through. The count comes from ``data_iterator.iterable.next_num_microbatches()`` (or the
+    Applies to training calls (``forward_only=False``) on ``ODCDataParallel`` chunks, and on Megatron-LM's
+    own DDP chunks fed by the balanced loader (``--balance lb_micro``: equal counts, the packing
+    baseline); anything else is passed through. The count comes from ``data_iterator.iterable.next_num_microbatches()`` (or the
     iterator's own method) when offered, else the caller's ``num_microbatches``; with TP > 1 it is
     broadcast from the TP source rank (the only one with data), with PP > 1 agreed over the pipeline
     (:func:`~megatron_odc.mcore.pipeline.agree_pipeline_count`). During a rerun replay the last count is reused.
@@ -46,15 +48,14 @@ class PlannedCountSchedule:
         self.inner = inner
         self.loss_keys: tuple[str, ...] = DEFAULT_LOSS_KEYS
         self.last_num_microbatches: int | None = None
+        self.log = OdcLogLine()
 
     def planned_count(self, data_iterator: Any, default: int) -> int:
         """This rank's microbatch count for the next step (a collective over TP when TP > 1 and over
         the pipeline when PP > 1)."""
         if getattr(data_iterator, "replaying", False) and self.last_num_microbatches is not None:
             return self.last_num_microbatches
-        source = data_iterator
-        if source is not None and not hasattr(source, "next_num_microbatches"):
-            source = getattr(source, "iterable", None)
+        source = _count_source(data_iterator)
         count = NO_COUNT
         if source is not None and hasattr(source, "next_num_microbatches"):
             count = int(source.next_num_microbatches())
@@ -74,11 +75,21 @@ class PlannedCountSchedule:
         self.last_num_microbatches = count
         return count
 
+    def _after_step(self, count: int, data_iterator: Any, chunks: list) -> None:
+        """ODC's figures of the step (``odc_log.py``); a collective over DP at log iterations."""
+        if getattr(data_iterator, "replaying", False):
+            return
+        self.log.after_step(
+            count,
+            _count_source(data_iterator),
+            chunks,
+            parallel_state.get_data_parallel_group(),
+        )
+
     def __call__(self, *, forward_step_func, data_iterator, model, num_microbatches, **kwargs):
         chunks = model if isinstance(model, list) else [model]
-        if kwargs.get("forward_only", False) or not all(
-            isinstance(c, ODCDataParallel) for c in chunks
-        ):
+        odc = all(isinstance(c, ODCDataParallel) for c in chunks)
+        if kwargs.get("forward_only", False) or not (odc or _planned(data_iterator)):
             return self.inner(
                 forward_step_func=forward_step_func,
                 data_iterator=data_iterator,
@@ -97,9 +108,31 @@ class PlannedCountSchedule:
             )
             if losses and isinstance(losses[0], dict):
                 self.loss_keys = tuple(losses[0])
+            self._after_step(count, data_iterator, chunks)
             return losses
+        if not odc:
+            raise ValueError(
+                "this DP rank's plan has no microbatch in this step, which Megatron-LM's own DDP "
+                "cannot run; use --dp-backend odc or --balance lb_micro with --global-batch-size at "
+                "least the DP size"
+            )
         finalize_without_microbatches(chunks)
+        self._after_step(0, data_iterator, chunks)
         return [{key: torch.zeros(2, device=collective_device()) for key in self.loss_keys}]
+
+
+def _count_source(data_iterator: Any) -> Any:
+    """The object offering ``next_num_microbatches``: the iterator, the one a ``RerunDataIterator``
+    wraps, or None."""
+    if data_iterator is None or hasattr(data_iterator, "next_num_microbatches"):
+        return data_iterator
+    return getattr(data_iterator, "iterable", None)
+
+
+def _planned(data_iterator: Any) -> bool:
+    """Whether the iterator offers planned counts: the balanced loader under Megatron-LM's own DDP
+    (``--dp-backend ddp|distopt --balance lb_micro``)."""
+    return hasattr(_count_source(data_iterator), "next_num_microbatches")
 
 
 def wrap_get_forward_backward_func(original: Callable) -> Callable:

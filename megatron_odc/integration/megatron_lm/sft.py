@@ -47,8 +47,13 @@ def apply_sft_args(args: argparse.Namespace) -> argparse.Namespace:
             "--no-create-attention-mask-in-dataloader (SFTDataset's samples carry cu_seqlens)"
         )
     if changed:
-        logger.info("--sft: set %s", ", ".join(changed))
+        _log_once("--sft: set " + ", ".join(changed))
     return args
+
+
+@functools.cache
+def _log_once(message: str) -> None:
+    logger.info("%s", message)
 
 
 class ChatTemplateIds:
