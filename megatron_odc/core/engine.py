@@ -89,6 +89,8 @@ class ODCEngine:
         own_buckets: parameters laid out in buckets of their own, whose owned ranges then depend only
             on their size and this layout's DP size, bucket size and alignment (``ParamSpec.
             own_bucket``: a tied embedding's copies on the first and last pipeline stage).
+        gradients: register gradient accumulators; ``False`` builds a frozen model (a reference
+            model for RL): forward-only fetches, no accumulators, no pushes (a backward is refused).
     """
 
     def __init__(
@@ -109,6 +111,7 @@ class ODCEngine:
         root_unit: str | None = None,
         replica_group: dist.ProcessGroup | None = None,
         own_buckets: Collection[str] = (),
+        gradients: bool = True,
     ) -> None:
         if max_pushes_in_flight < 1:
             raise ValueError(f"max_pushes_in_flight must be >= 1, got {max_pushes_in_flight}")
@@ -167,13 +170,15 @@ class ODCEngine:
                 self.dp_rank,
                 self.group,
             )
+        self.gradients = gradients
         for bucket in self.layout.buckets:
             transport.register(
                 self.names.param(bucket.index), bucket.shard_numel, bucket.dtype, accumulate=False
             )
-            transport.register(self.names.grad(bucket.index), bucket.shard_numel, torch.float32)
+            if gradients:
+                transport.register(self.names.grad(bucket.index), bucket.shard_numel, torch.float32)
         self.owned = OwnedShards(
-            transport, self.layout, self.names, params, group, fp8_codec, self.fp8_names
+            transport, self.layout, self.names, params, group, fp8_codec, self.fp8_names, gradients
         )
         self.owned.write_initial()
         self.storage = UnshardedStorage(self.layout, params, self.device, fp8_codec, self.fp8_names)
@@ -302,6 +307,11 @@ class ODCEngine:
     def begin_backward(self, unit: str) -> None:
         """Start collecting the unit's gradients: bind ``param.main_grad`` into a zeroed grad buffer."""
         self._check_open()
+        if not self.gradients:
+            raise RuntimeError(
+                f"DP rank {self.dp_rank}: a backward reached unit {unit!r} of a frozen ODC model "
+                "(built without gradients: a reference model runs forward only)"
+            )
         if self.unit_state(unit) is BucketState.PUSHING:
             return
         self.minibatch.check("push")  # refuse before any gradient buffer is bound

@@ -35,6 +35,7 @@ class OwnedShards:
         group: the DP group (FP8 amax reductions).
         fp8_codec: the codec of the FP8 parameters, ``None`` if there are none.
         fp8_names: the FP8 parameters.
+        gradients: whether gradient accumulators were registered (``False``: a frozen model).
     """
 
     def __init__(
@@ -46,8 +47,11 @@ class OwnedShards:
         group: dist.ProcessGroup | None,
         fp8_codec: Float8ParamCodec | None,
         fp8_names: frozenset[str],
+        gradients: bool = True,
     ) -> None:
         self.transport = transport
+        self.gradients = gradients
+        """Whether the layout has gradient accumulators (a frozen model has none)."""
         self.layout = layout
         self.names = names
         self.params = params
@@ -63,6 +67,8 @@ class OwnedShards:
 
     def grad_shard(self, bucket_index: int) -> torch.Tensor:
         """This rank's fp32 gradient accumulator of a bucket (what peers push into)."""
+        if not self.gradients:
+            raise RuntimeError("a frozen ODC model has no gradient accumulators")
         return self.transport.local(self.names.grad(bucket_index))
 
     def piece_param(self, piece: OwnedPiece) -> torch.Tensor:
@@ -129,11 +135,15 @@ class OwnedShards:
 
     def zero_grads(self) -> None:
         """Zero every owned gradient accumulator."""
+        if not self.gradients:
+            return
         for bucket in self.layout.buckets:
             self.grad_shard(bucket.index).zero_()
 
     def scale_grads(self, factor: float) -> None:
         """Multiply every owned gradient accumulator by ``factor``."""
+        if not self.gradients:
+            return
         for bucket in self.layout.buckets:
             self.grad_shard(bucket.index).mul_(factor)
 
@@ -144,6 +154,7 @@ class OwnedShards:
     def persistent_nbytes(self) -> int:
         """Bytes of the owned parameter shards and gradient accumulators."""
         return sum(
-            self.param_shard(b.index).nbytes + self.grad_shard(b.index).nbytes
+            self.param_shard(b.index).nbytes
+            + (self.grad_shard(b.index).nbytes if self.gradients else 0)
             for b in self.layout.buckets
         )

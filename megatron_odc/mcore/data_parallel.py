@@ -93,6 +93,8 @@ class ODCDataParallel(DistributedDataParallel):
             only for its distributed and layer-wise optimizers); refused unless None.
         odc_config: ODC's own options (default ``ODCConfig()``); ``shard_group_size`` splits the DP
             group into shard groups x replica groups (``core/groups.py``).
+        frozen: a model that is never trained (an RL reference model, ``rl/reference.py``): no
+            gradient accumulators, no pushes; every parameter must have ``requires_grad=False``.
     """
 
     def __init__(
@@ -105,6 +107,7 @@ class ODCDataParallel(DistributedDataParallel):
         full_param_layout=None,
         *,
         odc_config: ODCConfig | None = None,
+        frozen: bool = False,
     ) -> None:
         current_release()  # refuses a megatron-core outside the supported range, in one line
         _BaseDataParallel.__init__(self, config=config, module=module)
@@ -116,6 +119,13 @@ class ODCDataParallel(DistributedDataParallel):
                 "grad buffers (built for --use-distributed-optimizer and the layer-wise optimizer); "
                 "ODC lays out its own buckets: leave it None"
             )
+        if frozen:
+            trainable = [n for n, p in module.named_parameters() if p.requires_grad]
+            if trainable:
+                raise ValueError(
+                    f"a frozen ODC model has parameters that require gradients ({trainable[0]!r} "
+                    f"and {len(trainable) - 1} more); set requires_grad=False on every parameter"
+                )
         self.ddp_config = ddp_config
         self.odc_config = odc_config
         if pg_collection is not None:
@@ -185,6 +195,7 @@ class ODCDataParallel(DistributedDataParallel):
                 root_unit=ROOT_UNIT if units.has_root else None,
                 replica_group=self.topology.replica_group,
                 own_buckets=shared_embedding_names(units.named_params),
+                gradients=not frozen,
             )
             if self.tied_embedding is not None:
                 self.tied_embedding.check_owned_ranges(self.engine)

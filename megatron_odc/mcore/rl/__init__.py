@@ -6,7 +6,8 @@
 - ``weight_sync``: full (unsharded, TP-gathered on request) weights unit by unit, in megatron or
   Hugging Face names, to stream to a rollout engine;
 - ``offload``: the shards, optimizer state and unsharded buffers off the device between phases and
-  back, bit for bit.
+  back, bit for bit;
+- ``reference``: a frozen reference model: forward-only fetches, no gradients, pushes or optimizer.
 
 docs/rl.md is the guide. Imports ``megatron.core`` (the mcore layer); nothing is imported with the
 package itself.

@@ -1,0 +1,110 @@
+"""A frozen reference model under ODC (``mcore/rl/reference.py``) next to a trained policy, 2 CPU ranks.
+
+The reference (the small GPT, fp32, sharded over DP=2) runs forward only, 3 microbatches on rank 0 and
+none on rank 1, while the policy (same weights, ODC + Adam) trains a step in the same processes: its
+logits equal the unwrapped model's bit for bit, it registers no gradient accumulator, installs no
+gradient hook, pushes nothing, holds nothing unsharded after a forward, and its bytes on the device are
+the parameter shards only (measured against the policy's shards + optimizer). A frozen wrapper of a
+parameter that still requires grad is refused in one line.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tests._dist import run_ranks
+from tests._megatron import SMALL_GPT
+
+FORWARDS = [3, 0]
+
+
+def _run(rank: int, world_size: int) -> dict:
+    from megatron.core.optimizer import OptimizerConfig
+
+    from megatron_odc.mcore.backends import build_backend
+    from megatron_odc.mcore.config import ODCConfig
+    from megatron_odc.mcore.data_parallel import ODCDataParallel
+    from megatron_odc.mcore.model import GPTConfig, build_gpt_model
+    from megatron_odc.mcore.rl.reference import build_reference
+    from megatron_odc.mcore.step import gpt_forward_step, train_step
+    from tests._megatron import init_megatron, make_batch, teardown_megatron
+
+    init_megatron(1, seed=5)
+    try:
+        cfg = GPTConfig(**SMALL_GPT)
+        odc = ODCConfig(bucket_size=3000)
+        bare = build_gpt_model(cfg, seed=11)
+        policy, optimizer = build_backend(
+            "odc",
+            build_gpt_model(cfg, seed=11),
+            OptimizerConfig(optimizer="adam", lr=3e-3),
+            odc_config=odc,
+        )
+        reference = build_reference(build_gpt_model(cfg, seed=11), odc_config=odc)
+        batches = [make_batch(cfg, 1, seed=50 + 10 * rank + i) for i in range(2)]
+        train_step(policy, optimizer, gpt_forward_step, batches, seq_length=cfg.seq_length)
+        equal = []
+        with torch.no_grad():
+            for i in range(FORWARDS[rank]):
+                batch = make_batch(cfg, 1, seed=90 + i)
+                args = (batch["tokens"], batch["position_ids"], batch["attention_mask"])
+                equal.append(torch.equal(reference(*args), bare(*args)))
+        engine = reference.engine
+        out = {
+            "logits_equal": equal,
+            "grad_buffers": [n for n in engine.transport.buffer_names if ".grad." in n],
+            "pushes": engine.telemetry.num_pushes,
+            "grad_hooks": sum(
+                len(getattr(p, "_post_accumulate_grad_hooks", None) or {})
+                for p in reference.module.parameters()
+            ),
+            "unsharded_after": engine.unsharded_nbytes(),
+            "reference_bytes": engine.persistent_nbytes(),
+            "policy_bytes": policy.engine.persistent_nbytes() + optimizer.persistent_nbytes(),
+            "model_bytes": sum(p.numel() * p.element_size() for p in bare.parameters()),
+        }
+        try:
+            ODCDataParallel(
+                bare.config, reference.ddp_config, build_gpt_model(cfg, seed=11), frozen=True
+            )
+            out["refusal"] = "not refused"
+        except ValueError as error:
+            out["refusal"] = str(error)
+        reference.close()
+        policy.close()
+        return out
+    finally:
+        teardown_megatron()
+
+
+@pytest.fixture(scope="module")
+def world() -> list[dict]:
+    return run_ranks(_run, 2, timeout_s=300, pg_timeout_s=60)
+
+
+def test_reference_forward_equals_the_unwrapped_model_with_uneven_counts(world) -> None:
+    for rank, res in enumerate(world):
+        assert res["logits_equal"] == [True] * FORWARDS[rank], rank
+
+
+def test_reference_has_no_gradients_pushes_or_optimizer_and_holds_its_shards_only(world) -> None:
+    for rank, res in enumerate(world):
+        assert res["grad_buffers"] == [], rank
+        assert res["pushes"] == 0, rank
+        assert res["grad_hooks"] == 0, rank
+        assert res["unsharded_after"] == 0, rank
+        # fp32 parameter shards only: about P x 4 / N bytes (padding aside), well under the policy's.
+        assert res["reference_bytes"] <= 1.2 * res["model_bytes"] / 2, (rank, res)
+        assert res["reference_bytes"] < res["policy_bytes"] / 3, (rank, res)
+        assert "set requires_grad=False on every parameter" in res["refusal"], res["refusal"]
+    res = world[0]
+    logging.getLogger(__name__).info(
+        "DP=2 rank 0: reference %d B on the device (parameter shards), policy %d B (shards, "
+        "accumulators, main + Adam), unwrapped fp32 model %d B",
+        res["reference_bytes"],
+        res["policy_bytes"],
+        res["model_bytes"],
+    )
