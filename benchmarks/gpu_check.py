@@ -64,7 +64,7 @@ if str(REPO) not in sys.path:  # run as a script from a checkout: benchmarks.gpu
 import torch  # noqa: E402
 
 from benchmarks.gpu_check_lib.checks import CHECKS  # noqa: E402
-from benchmarks.gpu_check_lib.report import dry_run, table  # noqa: E402
+from benchmarks.gpu_check_lib.report import dry_run, megatron_core_version, table  # noqa: E402
 from benchmarks.gpu_check_lib.world import rehearsing, set_rehearsal  # noqa: E402
 
 logger = logging.getLogger("gpu_check")
@@ -145,7 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(numbers, indent=2, default=str))
     where = "CPU rehearsal (not a GPU result)" if rehearsing() else torch.cuda.get_device_name(0)
-    header = f"gpu_check: torch {torch.__version__}, {where}, {time.monotonic() - start:.0f} s\n"
+    header = (
+        f"gpu_check: torch {torch.__version__}, megatron-core {megatron_core_version()}, {where}, "
+        f"{time.monotonic() - start:.0f} s\n"
+    )
     sys.stdout.write(header + table(rows))
     return 0 if all(r[1] in ("PASS", "SKIP") for r in rows) else 1
 

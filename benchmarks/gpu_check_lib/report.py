@@ -19,6 +19,16 @@ def table(rows: list[tuple[str, str, str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def megatron_core_version() -> str:
+    """The installed megatron-core's version (the check runs on whichever the image has), or why none."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("megatron-core")
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
 def dry_run(args: argparse.Namespace) -> int:
     import megatron_odc.core.fp8
     import megatron_odc.core.streams
@@ -46,7 +56,7 @@ def dry_run(args: argparse.Namespace) -> int:
         from tests._megatron import _forward_step, make_batch  # noqa: F401
         from tests.mcore import test_fp8_params  # noqa: F401
 
-        megatron_state = "importable"
+        megatron_state = f"importable ({megatron_core_version()})"
     except ImportError as exc:
         megatron_state = f"missing ({exc}): the parity check would fail"
     triton_state = "importable"

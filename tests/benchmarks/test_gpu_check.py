@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import uuid
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -53,7 +54,8 @@ def test_gpu_check_dry_run() -> None:
         "parity",
         "fp8 emulated",
         "te fp8",
-        "megatron-core: importable",  # every name the rank bodies import resolves
+        # every name the rank bodies import resolves, in whichever megatron-core is installed
+        f"megatron-core: importable ({metadata.version('megatron-core')})",
     ):
         assert needle in result.stdout, result.stdout
     wrapper = subprocess.run(
@@ -89,6 +91,8 @@ def test_cpu_rehearsal_runs_every_check_and_passes(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr[-4000:]
     table = result.stdout.splitlines()
     assert "CPU rehearsal (not a GPU result)" in table[0]
+    # the megatron-core release it ran on (whichever the machine has)
+    assert f"megatron-core {metadata.version('megatron-core')}," in table[0]
     width = max(len(check) for check in checks)
     rows = {line[:width].strip(): line for line in table[2:]}
     assert sorted(rows) == sorted(checks), result.stdout
