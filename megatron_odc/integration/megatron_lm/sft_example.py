@@ -71,8 +71,7 @@ def write_chats(
     """Writes ``num_records`` conversations to ``path``; returns each one's token count.
 
     A length is drawn (seeded, with replacement) from the profile, scaled so that the profile's
-    longest sample maps to ``max_tokens`` and clamped to ``[TEMPLATE_TOKENS + 3, max_tokens]``; the
-    words beyond the template are split between system (1-3), user and assistant (at least 1).
+    longest sample maps to ``max_tokens`` and clamped to ``[TEMPLATE_TOKENS + 3, max_tokens]``.
     """
     if num_records < 1:
         raise ValueError(f"num_records must be positive, got {num_records}")
@@ -81,11 +80,23 @@ def write_chats(
     lengths = load_profile_lengths(profile)
     scale = max_tokens / max(lengths)
     rng = random.Random(f"megatron_odc.megatron_lm_sft:{profile}:{seed}")
-    written = []
+    drawn = [
+        min(max(round(rng.choice(lengths) * scale), TEMPLATE_TOKENS + 3), max_tokens)
+        for _ in range(num_records)
+    ]
+    return write_chats_of_lengths(path, drawn, seed=seed)
+
+
+def write_chats_of_lengths(path: Path, lengths: list[int], *, seed: int = 0) -> list[int]:
+    """Writes one conversation of each length (tokens, at least ``TEMPLATE_TOKENS + 3``) to
+    ``path``: the words beyond the template are split between system (1-3), user and assistant (at
+    least 1 each). Returns ``lengths``."""
+    rng = random.Random(f"megatron_odc.megatron_lm_sft.text:{seed}")
     with open(path, "w", encoding="utf-8") as f:
-        for _ in range(num_records):
-            length = min(max(round(rng.choice(lengths) * scale), TEMPLATE_TOKENS + 3), max_tokens)
+        for length in lengths:
             words = length - TEMPLATE_TOKENS
+            if words < 3:
+                raise ValueError(f"a conversation needs at least {TEMPLATE_TOKENS + 3} tokens")
             system = min(rng.randint(1, 3), words - 2)
             user = rng.randint(1, words - system - 1)
             assistant = words - system - user
@@ -95,8 +106,7 @@ def write_chats(
                 {"role": "assistant", "content": _text(rng, assistant)},
             ]
             f.write(json.dumps({"messages": messages}) + "\n")
-            written.append(length)
-    return written
+    return list(lengths)
 
 
 def write_sft_example(

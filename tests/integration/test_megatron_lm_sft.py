@@ -1,0 +1,332 @@
+"""Megatron-LM ``--sft`` under the launcher, without Megatron-LM: the balanced loader's records (real
+lengths, packing, the plan over Megatron-LM's global batches), the CPU runtime's packed (THD) attention
+against per-sequence attention, the transformers-5 adapter of ``SFTTokenizer`` and the flags ``--sft``
+and the ODC backends set. The end-to-end runs through the real ``pretrain_gpt.py --sft`` are in
+``test_megatron_lm_sft_e2e.py`` (gated on ``MEGATRON_LM_PATH``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import logging
+import os
+import types
+
+import pytest
+import torch
+
+from megatron_odc.balance.cost import CostModel
+from megatron_odc.integration.megatron_lm.data import (
+    BalancedPretrainingLoader,
+    pack_records,
+    record_length,
+)
+
+SEQ = 128
+PAD = 4
+COST = CostModel.from_model_config(
+    num_layers=2, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4, vocab_size=384
+)
+SKEWED = [70, 70, 70, 50, 50, 50, 50, 10]
+"""Real lengths of one global batch of 8 where LB-Mini's equal costs need uneven counts (three 70s
+never pair under a 128-token cap; the 50s and the 10 do)."""
+
+
+def _record(length: int, conversations: int = 1, width: int | None = None) -> dict:
+    """A record as Megatron-LM's ``SFTDataset`` returns it: ``length`` real tokens in
+    ``conversations`` parts, padded to ``SEQ`` with ``PAD``, the last ``cu_seqlens`` segment stretched
+    over the padding (``width``: right-padded boundaries, ``core_v0.19.0``'s format)."""
+    tokens = torch.full((SEQ,), PAD, dtype=torch.int64)
+    tokens[:length] = torch.arange(length) % 50 + 10 + length
+    labels = torch.full((SEQ,), PAD, dtype=torch.int64)
+    labels[: length - 1] = tokens[1:length]
+    step = length // conversations
+    bounds = [0, *[step * (i + 1) for i in range(conversations - 1)], SEQ]
+    positions = torch.cat([torch.arange(b - a) for a, b in itertools.pairwise(bounds)])
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    if width is not None:
+        cu = torch.cat([cu, torch.full((width - cu.numel(),), SEQ, dtype=torch.int32)])
+    return {
+        "tokens": tokens,
+        "labels": labels,
+        "loss_mask": (labels != PAD).float(),
+        "position_ids": positions,
+        "cu_seqlens": cu,
+        "max_seqlen": (cu[1:] - cu[:-1]).max(),
+    }
+
+
+class _Records:
+    """A map-style dataset of records with a tokenizer pad id where ``SFTDataset`` has it."""
+
+    def __init__(self, lengths: list[int], conversations: int = 1, width: int | None = None):
+        self.lengths = lengths
+        self.conversations = conversations
+        self.width = width
+        self.config = types.SimpleNamespace(tokenizer=types.SimpleNamespace(pad=PAD))
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> dict:
+        return _record(self.lengths[i], self.conversations, self.width)
+
+
+def _loaders(dataset, kind: str, dp: int = 2, **kwargs) -> list[BalancedPretrainingLoader]:
+    return [
+        BalancedPretrainingLoader(
+            dataset,
+            0,
+            global_batch_size=8,
+            dp_rank=r,
+            dp_size=dp,
+            seq_length=SEQ,
+            plan_kind=kind,
+            cost_model=COST,
+            **kwargs,
+        )
+        for r in range(dp)
+    ]
+
+
+def test_record_length_is_the_tokens_before_the_padding() -> None:
+    assert record_length(_record(37), PAD) == 37
+    assert record_length(_record(SEQ), PAD) == SEQ
+
+
+def test_pack_records_concatenates_real_tokens_with_every_conversation_boundary() -> None:
+    records = [_record(30, conversations=2), _record(45), _record(20, conversations=3)]
+    batch = pack_records(records, pad_id=PAD)
+    assert batch["tokens"].shape == (1, 95)  # no padding at all without a fixed shape
+    assert batch["cu_seqlens"].tolist() == [[0, 15, 30, 75, 81, 87, 95]]
+    assert batch["cu_seqlens"].dtype == torch.int32
+    assert batch["max_seqlen"].tolist() == [45]
+    assert torch.equal(batch["tokens"][0, 30:75], records[1]["tokens"][:45])
+    assert torch.equal(batch["labels"][0, :30], records[0]["labels"][:30])
+    assert batch["position_ids"][0, 15:30].tolist() == list(range(15))
+    # every record's last real token predicts a pad label: nothing is learned across records
+    assert batch["loss_mask"][0, [29, 74, 94]].tolist() == [0.0, 0.0, 0.0]
+    assert batch["loss_mask"].sum() == sum(r["loss_mask"].sum() for r in records)
+    fixed = pack_records(records, pad_id=PAD, pad_to=SEQ, cu_width=SEQ + 1)
+    assert fixed["tokens"].shape == (1, SEQ)
+    assert fixed["cu_seqlens"].shape == (1, SEQ + 1)
+    assert fixed["cu_seqlens"][0, :8].tolist() == [0, 15, 30, 75, 81, 87, 95, SEQ]
+    assert set(fixed["cu_seqlens"][0, 8:].tolist()) == {SEQ}
+    assert fixed["loss_mask"][0, 95:].sum() == 0
+    with pytest.raises(ValueError, match="shorter than the packed microbatch"):
+        pack_records(records, pad_id=PAD, pad_to=64)
+
+
+@pytest.mark.parametrize("kind", ["lb_mini", "lb_micro"])
+def test_each_global_batch_is_megatron_lms_samples_packed_under_the_cap(kind) -> None:
+    lengths = [11, 120, 33, 64, 9, 128, 70, 15] * 3 + SKEWED
+    dataset = _Records(lengths, conversations=2)
+    for index in range(4):
+        plans = [loader.plan_batch(index) for loader in _loaders(dataset, kind)]
+        got = sorted(i for p in plans for mb in p.microbatches for i in mb)
+        assert got == list(range(8 * index, 8 * index + 8))  # Megatron-LM's global batch
+        for p in plans:
+            assert len(p.batches) == len(p.microbatches)
+            for mb, batch in zip(p.microbatches, p.batches, strict=True):
+                assert batch["tokens"].shape[1] == sum(lengths[i] for i in mb) <= SEQ
+        assert [len(p.microbatches) for p in plans] == plans[0].plan.num_microbatches()
+    # fewer microbatches than Megatron-LM's one record each
+    assert sum(len(p.microbatches) for p in plans) < 8
+
+
+def test_lb_mini_gives_uneven_counts_where_lb_micro_gives_equal_ones() -> None:
+    dataset = _Records(SKEWED)
+    mini = [len(loader.plan_batch(0).microbatches) for loader in _loaders(dataset, "lb_mini")]
+    micro = [len(loader.plan_batch(0).microbatches) for loader in _loaders(dataset, "lb_micro")]
+    assert sorted(mini) == [2, 3]
+    assert micro == [2, 2]
+    plan_mini = _loaders(dataset, "lb_mini")[0].plan_batch(0).plan
+    plan_micro = _loaders(dataset, "lb_micro")[0].plan_batch(0).plan
+    assert plan_mini.bubble_odc() < plan_micro.bubble_lockstep()
+
+
+def test_pipeline_replicas_and_fixed_shapes() -> None:
+    """With PP the plan is over replicas (a zero count allowed) and microbatches are [1, SEQ]."""
+    dataset = _Records([10] * 8)
+    plans = [
+        loader.plan_batch(0)
+        for loader in _loaders(dataset, "lb_mini", dp=4, pipeline_stages=2, fixed_shape=True)
+    ]
+    assert sorted(i for p in plans for mb in p.microbatches for i in mb) == list(range(8))
+    assert all(b["tokens"].shape == (1, SEQ) for p in plans for b in p.batches)
+    with pytest.raises(ValueError, match="must be 128"):
+        _loaders(dataset, "lb_mini", fixed_shape=True, max_tokens=256)
+
+
+def test_iterator_counts_then_microbatches_and_records_the_plan_timing() -> None:
+    loader = _loaders(_Records(SKEWED * 2), "lb_mini")[1]
+    it = iter(loader)
+    count = it.next_num_microbatches()
+    assert count == len(it.last.microbatches)
+    batches = [next(it) for _ in range(count)]
+    assert [b["tokens"].shape[1] for b in batches] == [
+        sum(SKEWED[i % 8] for i in mb) for mb in it.last.microbatches
+    ]
+    assert it.last_plan_s > 0
+    it.pending.append((0,))  # a microbatch the schedule did not take
+    with pytest.raises(RuntimeError, match="not consumed"):
+        it.next_num_microbatches()
+    it.plans.close()
+
+
+def test_fixed_packs_keep_one_sample_per_microbatch() -> None:
+    """``GPTDataset``'s samples carry no cu_seqlens: every sample costs seq_length, counts equal."""
+
+    class Packs:
+        def __len__(self):
+            return 16
+
+        def __getitem__(self, i):
+            return {"tokens": torch.full((SEQ,), i), "labels": torch.zeros(SEQ)}
+
+    loaders = _loaders(Packs(), "lb_mini")
+    assert not loaders[0].records
+    plans = [loader.plan_batch(1) for loader in loaders]
+    assert [len(p.microbatches) for p in plans] == [4, 4]
+    assert all(len(mb) == 1 for p in plans for mb in p.microbatches)
+    assert plans[0].batches is None
+
+
+def test_cpu_packed_attention_equals_each_sequence_alone(tmp_path) -> None:
+    """The CPU runtime's THD attention on the local spec (shim 9) = the original attention run on
+    each segment alone with its causal mask."""
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_odc.integration.cpu import cpu_runtime
+
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    with cpu_runtime():
+        parallel_state.initialize_model_parallel()
+        try:
+            tensor_parallel.model_parallel_cuda_manual_seed(0)
+            config = TransformerConfig(
+                num_layers=1,
+                hidden_size=32,
+                num_attention_heads=4,
+                use_cpu_initialization=True,
+                attention_dropout=0.0,
+                masked_softmax_fusion=False,
+            )
+            attention = DotProductAttention(
+                config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self"
+            )
+            torch.manual_seed(0)
+            cu = torch.tensor([[0, 5, 12, 13, 20]], dtype=torch.int32)
+            q, k, v = (torch.randn(20, 4, 8) for _ in range(3))
+            params = PackedSeqParams(
+                qkv_format="thd",
+                cu_seqlens_q=cu,
+                cu_seqlens_kv=cu,
+                max_seqlen_q=7,
+                max_seqlen_kv=7,
+            )
+            packed = attention(q, k, v, None, packed_seq_params=params)
+            assert packed.shape == (20, 32)
+            bounds = cu.reshape(-1).tolist()
+            for a, b in itertools.pairwise(bounds):
+                alone = attention(
+                    q[a:b].unsqueeze(1), k[a:b].unsqueeze(1), v[a:b].unsqueeze(1), None
+                )
+                torch.testing.assert_close(packed[a:b], alone.reshape(b - a, -1))
+            with pytest.raises(ValueError, match="'thd'"):
+                attention(q, k, v, None, packed_seq_params=PackedSeqParams(qkv_format="sbhd"))
+        finally:
+            parallel_state.destroy_model_parallel()
+            torch.distributed.destroy_process_group()
+
+
+def test_sft_tokenizer_adapter_gives_transformers_4_ids(tmp_path) -> None:
+    """core_v0.16.1's ``SFTTokenizer`` indexes ``apply_chat_template(..., return_tensors="np")[0]``
+    and takes ``len()`` of a turn's result; under transformers 5 both need ``return_dict=False``."""
+    transformers = pytest.importorskip("transformers")
+    from megatron_odc.integration.megatron_lm.sft import ChatTemplateIds
+    from megatron_odc.integration.megatron_lm.sft_example import write_tokenizer
+
+    hf = transformers.AutoTokenizer.from_pretrained(str(write_tokenizer(tmp_path / "tok")))
+    template = "{% for m in messages %}{{ '<SPECIAL_11>User\n' + m['content'] + '\n' }}{% endfor %}"
+    turn = [{"role": "user", "content": "w1 w2 w3"}]
+    adapted = ChatTemplateIds(hf)
+    ids = adapted.apply_chat_template(
+        turn, tokenize=True, return_tensors="np", chat_template=template
+    )[0]
+    assert ids.tolist() == hf.convert_tokens_to_ids(["<SPECIAL_11>", "User", "w1", "w2", "w3"])
+    assert ids.copy().tolist() == ids.tolist()
+    assert len(adapted.apply_chat_template(turn, tokenize=True, chat_template=template)) == 5
+    assert len(adapted) == len(hf)
+    assert adapted.eos_token_id == hf.eos_token_id
+
+
+def _args(*flags: str, **kw) -> argparse.Namespace:
+    """ODC's flags as Megatron-LM's patched parser gives them, plus the Megatron-LM fields read."""
+    from megatron_odc.integration.megatron_lm.flags import add_odc_args
+
+    args = add_odc_args(argparse.ArgumentParser()).parse_args(["--dp-backend", "odc", *flags])
+    fields = {
+        "micro_batch_size": 1,
+        "dataloader_type": None,
+        "seq_length": SEQ,
+        "calculate_per_token_loss": False,
+        "sft": True,
+        "legacy_tokenizer": False,
+        "create_attention_mask_in_dataloader": True,
+        "transformer_impl": "local",
+        **kw,
+    }
+    for key, value in fields.items():
+        setattr(args, key, value)
+    return args
+
+
+def test_sft_and_per_token_flags_are_set_with_one_line(caplog) -> None:
+    from megatron_odc.integration.megatron_lm import flags
+    from megatron_odc.integration.megatron_lm.sft import apply_sft_args
+
+    flags.log_once.cache_clear()
+    with caplog.at_level(logging.INFO, logger="megatron_odc"):
+        args = apply_sft_args(_args())
+        assert args.legacy_tokenizer
+        assert not args.create_attention_mask_in_dataloader
+        args = flags.postprocess_odc_args(args)
+        flags.postprocess_odc_args(_args())
+    assert args.calculate_per_token_loss
+    assert args.balance == "lb_mini"
+    lines = [r.getMessage() for r in caplog.records if "calculate-per-token-loss" in r.getMessage()]
+    assert len(lines) == 1
+    assert "different microbatch counts" in lines[0]
+    # ddp keeps Megatron-LM's sampler; an equal-count plan packs and turns per-token loss on too
+    ddp = flags.postprocess_odc_args(_args("--dp-backend", "ddp"))
+    assert ddp.balance == "none"
+    assert not ddp.calculate_per_token_loss
+    ddp = flags.postprocess_odc_args(_args("--dp-backend", "ddp", "--balance", "lb_micro"))
+    assert ddp.calculate_per_token_loss
+    with pytest.raises(ValueError, match="--balance lb_mini gives DP ranks different numbers"):
+        flags.postprocess_odc_args(_args("--dp-backend", "ddp", "--balance", "lb_mini"))
+    with pytest.raises(ValueError, match="at least 128"):
+        flags.postprocess_odc_args(_args("--max-tokens-per-microbatch", "64"))
+    assert (
+        flags.postprocess_odc_args(_args("--max-tokens-per-microbatch", "256")).balance == "lb_mini"
+    )
+
+
+def test_cpu_flags_and_tensor_parallel_environment(monkeypatch) -> None:
+    from megatron_odc.integration.megatron_lm.flags import with_cpu_flags
+
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    argv = with_cpu_flags(["--swiglu"], cuda=False)
+    assert "--no-bias-swiglu-fusion" in argv
+    assert "--no-rope-fusion" in argv
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ  # TP = 1: left alone (FSDP needs it so)
+    with_cpu_flags(["--tensor-model-parallel-size", "2"], cuda=False)
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
