@@ -117,8 +117,9 @@ def test_gpu_examples_pass_only_known_flags(script):
     )
 
 
-def _run(script: Path, tmp_path: Path) -> str:
-    """Runs ``script`` at its tiny size; returns its output (asserting exit status 0)."""
+def _run(script: Path, tmp_path: Path, command: list[str] | None = None) -> str:
+    """Runs ``script`` at its tiny size (``command``: how, default ``bash script``); returns its
+    output (asserting exit status 0)."""
     shm = Path("/dev/shm") / f"megatron_odc_test_examples_{uuid.uuid4().hex[:12]}"
     shm.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
@@ -131,7 +132,7 @@ def _run(script: Path, tmp_path: Path) -> str:
         PATH=os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
     )
     proc = subprocess.Popen(
-        ["bash", str(script)],
+        command or ["bash", str(script)],
         cwd=tmp_path,
         env=env,
         stdout=subprocess.PIPE,
@@ -302,3 +303,41 @@ CPU_SCRIPTS = [
 def test_cpu_example_runs_and_verifies(script, tmp_path):
     out = _run(script, tmp_path)
     CHECKS.get(script.stem, _check_generic)(out, tmp_path / "out")
+
+
+GRPO_STEP = re.compile(
+    r"^(?P<backend>ODC\+LB-Mini|DDP padded|FSDP2 LB-Micro) +step (?P<step>\d+): loss (?P<loss>\S+) "
+    r"grad norm (?P<norm>\S+) step time (?P<time>\S+) s microbatches per rank \[(?P<counts>[\d, ]+)\]$"
+)
+
+
+def test_grpo_cpu_example_runs_tiny_and_the_three_backends_make_the_same_updates(tmp_path):
+    """``examples/grpo_cpu.py --tiny`` (a Python example, docs/rl.md): every backend prints every step;
+    the same rollouts give the same per-step loss and grad norm under ODC + LB-Mini (uneven counts),
+    padded megatron-core DDP and FSDP2 (1e-4: the plans sum in different orders); DDP's and FSDP2's
+    counts are equal across ranks; the last line holds the measured and predicted ratios."""
+    script = EXAMPLES / "grpo_cpu.py"
+    out = _run(script, tmp_path, [sys.executable, str(script), "--tiny"])
+    rows: dict = {}
+    for line in out.splitlines():
+        match = GRPO_STEP.match(line)
+        if match:
+            counts = [int(c) for c in match["counts"].split(",")]
+            rows.setdefault(match["backend"], []).append(
+                (float(match["loss"]), float(match["norm"]), float(match["time"]), counts)
+            )
+    assert sorted(rows) == ["DDP padded", "FSDP2 LB-Micro", "ODC+LB-Mini"], out[-3000:]
+    steps = {len(r) for r in rows.values()}
+    assert len(steps) == 1, rows
+    assert steps.pop() >= 2, rows
+    for backend in ("DDP padded", "FSDP2 LB-Micro"):
+        for (loss, norm, _, counts), (odc_loss, odc_norm, _, _) in zip(
+            rows[backend], rows["ODC+LB-Mini"], strict=True
+        ):
+            assert abs(loss - odc_loss) <= 1e-4 * max(1.0, abs(odc_loss)), (backend, rows)
+            assert abs(norm - odc_norm) <= 1e-4 * odc_norm, (backend, rows)
+            assert len(set(counts)) == 1, (backend, counts)
+    last = out.rstrip().splitlines()[-1]
+    ratios = re.findall(r"(\d+\.\d+)x", last)
+    assert last.startswith("measured ODC+LB-Mini speedup"), last
+    assert len(ratios) == 4, last

@@ -25,7 +25,7 @@ __all__ = [
 PROFILES_ENV = "MEGATRON_ODC_PROFILES"
 
 SHIPPED_PROFILES_PATH = Path(__file__).with_name("length_profiles.json")
-"""The profiles shipped with the package (longalign, swe_smith, rl_aime, short, uniform)."""
+"""The profiles shipped with the package (longalign, swe_smith, rl_aime, short, uniform, agent_rl)."""
 
 
 def default_profiles_path() -> Path:

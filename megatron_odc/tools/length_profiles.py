@@ -57,6 +57,14 @@ PROFILES = {
         "hi": 16384,
         "source": "balanced control: every sample 16K tokens",
     },
+    "agent_rl": {
+        "median": 6000,
+        "sigma": 1.0,
+        "lo": 512,
+        "hi": 65536,
+        "source": "agent / SWE-style RL rollouts (multi-turn, long tail up to 64K): a stand-in shaped "
+        "after swe_smith's cap and a wider spread than rl_aime's; no published statistic",
+    },
 }
 """Profile name -> clipped log-normal parameters and the published statistic they imitate."""
 

@@ -1,0 +1,367 @@
+#!/usr/bin/env python
+"""GRPO on CPU: ODC + LB-Mini with uneven counts next to padded megatron-core DDP and PyTorch FSDP2.
+
+Shows: a verl-style GRPO update driven by its own loop (``megatron_odc/mcore/rl/``, docs/rl.md): a
+small megatron-core GPT policy and a frozen reference, synthetic prompts whose rollout lengths are drawn
+from the shipped long-tailed agent / SWE-style profile (``agent_rl`` in
+``megatron_odc/balance/length_profiles.json``, divided by the settings' length scale), group-relative advantages, a KL term to the reference (k3 estimator),
+the loss contract ``token-loss sum x local n x DP / global tokens``. Three backends train on the same
+rollouts, interleaved step by step:
+
+- ``odc``: ODC with the LB-Mini plan (uneven microbatch counts per rank, 0 allowed), reference under ODC
+  (``build_reference``);
+- ``ddp``: megatron-core DDP the way the stacks feed it: the same number of samples per rank (sample i
+  to rank i % DP), packed under the cap, the microbatch counts padded to the largest with empty
+  microbatches (no loss tokens); replicated reference;
+- ``fsdp2``: PyTorch FSDP2 (``fully_shard`` per layer and the root) with the best equal-count plan
+  (LB-Micro), reference under FSDP2 too.
+
+Each prints its per-step loss, grad norm and step time (max over ranks, from a barrier to the end of the
+optimizer step); the last line gives the measured speedups of ODC and the cost model's predicted ones
+(``CostModel.from_model_config``: ODC and DDP = the slowest rank's cost, FSDP2 = the lockstep sum over
+microbatch indices of the slowest rank's microbatch; communication, copies and the packed attention's
+``(sum s)^2`` are not modelled).
+Needs: cpu
+Takes: about 60 s on 2 CPU cores (--tiny: about 25 s)
+
+Run: ``python examples/grpo_cpu.py [--tiny] [--dp 2] [--steps 4]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone without installing
+
+BACKENDS = ("odc", "ddp", "fsdp2")
+PROFILE = "agent_rl"
+PROMPT_TOKENS = 8
+PAD_ID = 0
+PADDING_TOKENS = 16
+"""Length of the empty microbatch a padded rank runs (pad tokens, no loss)."""
+PLAN_OF = {"odc": "lb_mini", "ddp": "round_robin", "fsdp2": "lb_micro"}
+"""Each backend's plan (``megatron_odc.balance.make_plan``): ODC balances the step's samples by cost
+with any count per rank; DDP takes the stacks' equal split of samples (sample i to rank i % DP), packs
+each rank's under the cap and pads the counts with empty microbatches; FSDP2 gets the best equal-count
+plan (LB-Micro)."""
+KL_BETA = 0.04
+CLIP_EPS = 0.2
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Model and workload sizes."""
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    vocab_size: int
+    length_scale: int
+    prompts: int
+    group_size: int
+    steps: int
+    warmup: int
+
+
+FULL = Settings(4, 128, 512, 256, 128, 2, 8, 8, 1)
+TINY = Settings(2, 64, 128, 128, 512, 2, 4, 2, 1)
+
+
+# ---------------------------------------------------------------------- rollouts (same on every rank)
+
+
+def rollouts(settings: Settings, step: int, lengths_pool: list[int]) -> dict:
+    """The step's synthetic rollouts: lengths from the profile, tokens, rewards, group advantages."""
+    rng = random.Random(1000 + step)
+    cap = max(lengths_pool) // settings.length_scale
+    count = settings.prompts * settings.group_size
+    lengths = [
+        min(cap, max(PROMPT_TOKENS + 2, rng.choice(lengths_pool) // settings.length_scale))
+        for _ in range(count)
+    ]
+    gen = torch.Generator().manual_seed(2000 + step)
+    tokens = [torch.randint(1, settings.vocab_size, (n,), generator=gen) for n in lengths]
+    rewards = [rng.random() for _ in range(count)]
+    advantages = []
+    for g in range(settings.prompts):
+        group = rewards[g * settings.group_size : (g + 1) * settings.group_size]
+        mean, std = statistics.fmean(group), statistics.pstdev(group)
+        advantages += [(r - mean) / (std + 1e-6) for r in group]
+    return {"lengths": lengths, "tokens": tokens, "advantages": advantages, "cap": cap}
+
+
+def microbatch(batch: dict, sample_ids: tuple[int, ...]) -> dict:
+    """One packed microbatch of ``sample_ids`` (an empty tuple: a padding microbatch without loss)."""
+    from megatron_odc.data.packing import pack_microbatch
+    from megatron_odc.data.sft import SFTSample
+
+    samples = []
+    for sid in sample_ids:
+        tokens = batch["tokens"][sid]
+        mask = torch.zeros(tokens.numel(), dtype=torch.bool)
+        mask[PROMPT_TOKENS:] = True  # the response carries the loss
+        samples.append(SFTSample(tokens, mask))
+    packed = pack_microbatch(samples, pad_to=None if samples else PADDING_TOKENS, pad_id=PAD_ID)
+    advantage = torch.tensor([batch["advantages"][sid] for sid in sample_ids] + [0.0])
+    segments = packed.segment_ids()
+    return {
+        "tokens": packed.tokens,
+        "labels": packed.labels,
+        "position_ids": packed.position_ids,
+        "attention_mask": packed.attention_mask(),
+        "loss_mask": packed.loss_mask,
+        "advantage": advantage[segments.clamp(max=advantage.numel() - 1)].view(1, -1),
+    }
+
+
+def token_logprobs(model, mb: dict) -> torch.Tensor:
+    """log p(label) per token: megatron's GPT returns the per-token cross entropy given labels."""
+    return -model(mb["tokens"], mb["position_ids"], mb["attention_mask"], labels=mb["labels"])
+
+
+def grpo_token_loss(logp: torch.Tensor, ref_logp: torch.Tensor, advantage: torch.Tensor):
+    """Clipped policy-gradient term (one update per rollout batch: the old policy is this one) plus
+    the k3 estimate of KL(policy || reference), per token."""
+    ratio = torch.exp(logp - logp.detach())
+    policy = -torch.minimum(ratio * advantage, ratio.clamp(1 - CLIP_EPS, 1 + CLIP_EPS) * advantage)
+    log_ratio = ref_logp - logp
+    kl = torch.exp(log_ratio) - log_ratio - 1
+    return policy + KL_BETA * kl
+
+
+def verl_loss(mb: dict, ref_logp: torch.Tensor, scale: float, output: torch.Tensor):
+    """The verl contract: the microbatch's token-loss sum x (local n x DP / global tokens)."""
+    mask = mb["loss_mask"].float()
+    loss_sum = (grpo_token_loss(-output.float(), ref_logp, mb["advantage"]) * mask).sum()
+    return loss_sum * scale, {"loss": torch.stack([loss_sum.detach(), mask.sum()])}
+
+
+def verl_forward_step(mbs: list, refs: list, scale: float, data_iterator, model):
+    index = next(data_iterator)
+    mb = mbs[index]
+    output = model(mb["tokens"], mb["position_ids"], mb["attention_mask"], labels=mb["labels"])
+    return output, functools.partial(verl_loss, mb, refs[index], scale)
+
+
+# ---------------------------------------------------------------------- the three backends
+
+
+def build(backend: str, settings: Settings, seq_length: int):
+    """``(policy, optimizer, reference)`` of ``backend`` from the same seed."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    from megatron_odc.mcore.model import GPTConfig, build_gpt_model
+    from megatron_odc.mcore.rl.loop import build_rl_backend
+    from megatron_odc.mcore.rl.reference import build_reference
+
+    cfg = GPTConfig(
+        num_layers=settings.num_layers,
+        hidden_size=settings.hidden_size,
+        num_attention_heads=4,
+        ffn_hidden_size=settings.ffn_hidden_size,
+        vocab_size=settings.vocab_size,
+        seq_length=seq_length,
+        calculate_per_token_loss=False,
+    )
+    optimizer_config = OptimizerConfig(optimizer="adam", lr=1e-4, weight_decay=0.01, clip_grad=1.0)
+    if backend in ("odc", "ddp"):
+        policy, optimizer = build_rl_backend(
+            backend, build_gpt_model(cfg, seed=7), optimizer_config, loss_contract="global_tokens"
+        )
+        reference = build_gpt_model(cfg, seed=7)
+        if backend == "odc":
+            reference = build_reference(reference)
+        return policy, optimizer, reference
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    models = []
+    for frozen in (False, True):
+        model = build_gpt_model(cfg, seed=7)
+        model.requires_grad_(not frozen)
+        for layer in model.decoder.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        for module in model.modules():
+            if hasattr(module, "set_gradient_divide_factor"):
+                module.set_gradient_divide_factor(1.0)  # the loss is already over the global tokens
+                module.set_force_sum_reduction_for_comms(True)  # gloo has no AVG / PREMUL_SUM
+        models.append(model)
+    optimizer = torch.optim.AdamW(models[0].parameters(), lr=1e-4, weight_decay=0.01)
+    return models[0], optimizer, models[1]
+
+
+def train_step(
+    backend, policy, optimizer, mbs, refs, global_tokens, dp_size
+) -> tuple[float, float]:
+    """One update; returns (this rank's token-loss sum, grad norm)."""
+    n = len(mbs)
+    if backend == "fsdp2":
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        for i, mb in enumerate(mbs):
+            policy.set_requires_gradient_sync(i == n - 1)
+            output = policy(
+                mb["tokens"], mb["position_ids"], mb["attention_mask"], labels=mb["labels"]
+            )
+            loss, report = verl_loss(mb, refs[i], 1.0 / global_tokens, output)
+            loss.backward()
+            loss_sum += float(report["loss"][0])
+        norm = torch.nn.utils.clip_grad_norm_(list(policy.parameters()), 1.0)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        optimizer.step()
+        return loss_sum, float(norm)
+    from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_schedule
+
+    from megatron_odc.mcore.rl.loop import get_forward_backward_func, global_tokens_scale
+
+    schedule = get_forward_backward_func() if backend == "odc" else megatron_schedule()
+    policy.zero_grad_buffer()
+    optimizer.zero_grad()
+    reports = schedule(
+        forward_step_func=functools.partial(
+            verl_forward_step, mbs, refs, global_tokens_scale(n, global_tokens, dp_size)
+        ),
+        data_iterator=iter(range(n)),
+        model=[policy],
+        num_microbatches=n,
+        seq_length=max((mb["tokens"].shape[1] for mb in mbs), default=1),
+        micro_batch_size=1,
+        forward_only=False,
+    )
+    _, norm, _ = optimizer.step()
+    return sum(float(r["loss"][0]) for r in reports), float(norm)
+
+
+def rank_main(rank: int, world_size: int, settings: Settings, store_path: str) -> None:
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    from megatron_odc.balance import CostModel, make_plan
+    from megatron_odc.balance.profiles import load_profile_lengths
+    from megatron_odc.integration.cpu import cpu_runtime
+    from megatron_odc.mcore.parallel import model_parallel
+
+    pool = load_profile_lengths(PROFILE)
+    cap = max(pool) // settings.length_scale
+    cost = CostModel.from_model_config(
+        num_layers=settings.num_layers,
+        hidden_size=settings.hidden_size,
+        ffn_hidden_size=settings.ffn_hidden_size,
+        num_attention_heads=4,
+        vocab_size=settings.vocab_size,
+    )
+    with cpu_runtime(), model_parallel(1) as coords:
+        dp_rank, dp_size = coords.dp_rank, coords.dp_size
+        built = {b: build(b, settings, cap) for b in BACKENDS}
+        rows: dict = {b: [] for b in BACKENDS}
+        predicted = {"odc": 0.0, "ddp": 0.0, "fsdp2": 0.0}
+        for step in range(settings.warmup + settings.steps):
+            batch = rollouts(settings, step, pool)
+            ids = list(range(len(batch["lengths"])))
+            plans = {
+                backend: make_plan(
+                    kind, ids, batch["lengths"], dp_size, cap_tokens=cap, cost_model=cost
+                )
+                for backend, kind in PLAN_OF.items()
+            }
+            timed = step >= settings.warmup
+            if timed:
+                predicted["odc"] += max(plans["odc"].rank_costs())
+                predicted["ddp"] += max(plans["ddp"].rank_costs())  # padding: no tokens
+                predicted["fsdp2"] += plans["fsdp2"].lockstep_time()
+            global_tokens = sum(n - PROMPT_TOKENS for n in batch["lengths"])
+            for backend in BACKENDS:
+                policy, optimizer, reference = built[backend]
+                mine = list(plans[backend].rank_microbatches(dp_rank))
+                counts = plans[backend].num_microbatches()
+                if backend == "ddp":  # pad to the largest count with empty microbatches
+                    mine += [()] * (max(counts) - len(mine))
+                    counts = [max(counts)] * dp_size
+                mbs = [microbatch(batch, m) for m in mine]
+                with torch.no_grad():
+                    refs = [token_logprobs(reference, mb) for mb in mbs]
+                dist.barrier()
+                start = time.perf_counter()
+                loss_sum, norm = train_step(
+                    backend, policy, optimizer, mbs, refs, global_tokens, dp_size
+                )
+                elapsed = torch.tensor([time.perf_counter() - start, loss_sum])
+                dist.all_reduce(elapsed[:1], op=dist.ReduceOp.MAX)
+                total = elapsed[1:].clone()
+                dist.all_reduce(total)
+                rows[backend].append(
+                    (step, float(total) / global_tokens, norm, float(elapsed[0]), counts, timed)
+                )
+        if dp_rank == 0:
+            report(rows, predicted, settings, dp_size)
+        policy, _, reference = built["odc"]
+        policy.close()  # release the shared-memory shards
+        reference.close()
+    dist.destroy_process_group()
+
+
+def report(rows: dict, predicted: dict, settings: Settings, dp_size: int) -> None:
+    names = {"odc": "ODC+LB-Mini", "ddp": "DDP padded", "fsdp2": "FSDP2 LB-Micro"}
+    print(
+        f"GRPO on CPU, DP={dp_size}, profile {PROFILE} / {settings.length_scale}, "
+        f"{settings.prompts} prompts x {settings.group_size} rollouts, {settings.num_layers} layers "
+        f"x {settings.hidden_size}; step {settings.warmup - 1} and before: warm-up (not timed)"
+    )
+    for backend in BACKENDS:
+        for step, loss, norm, seconds, counts, _ in rows[backend]:
+            print(
+                f"{names[backend]:<12} step {step}: loss {loss:.6f} grad norm {norm:.6f} "
+                f"step time {seconds:.3f} s microbatches per rank {counts}"
+            )
+    times = {b: sum(r[3] for r in rows[b] if r[5]) for b in BACKENDS}
+    print(
+        f"measured ODC+LB-Mini speedup: {times['ddp'] / times['odc']:.2f}x vs DDP padded, "
+        f"{times['fsdp2'] / times['odc']:.2f}x vs FSDP2 equal counts; cost model predicts "
+        f"{predicted['ddp'] / predicted['odc']:.2f}x vs DDP padded, "
+        f"{predicted['fsdp2'] / predicted['odc']:.2f}x vs FSDP2 (lockstep, no communication)"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="a tiny model and run (seconds)")
+    parser.add_argument("--dp", type=int, default=2, help="CPU ranks (DP size)")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps")
+    args = parser.parse_args(argv)
+    if args.dp < 1:
+        parser.error(f"--dp must be >= 1, got {args.dp}")
+    settings = TINY if args.tiny else FULL
+    if args.steps is not None:
+        if args.steps < 1:
+            parser.error(f"--steps must be >= 1, got {args.steps}")
+        settings = dataclasses.replace(settings, steps=args.steps)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory(prefix="grpo-cpu-") as tmp:
+        mp.start_processes(
+            rank_main,
+            args=(args.dp, settings, os.path.join(tmp, "store")),
+            nprocs=args.dp,
+            start_method="spawn",
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())
