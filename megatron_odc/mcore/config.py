@@ -177,6 +177,12 @@ class Unsupported:
     """The backends that refuse it."""
     reason: str
     """Why, and what to do instead."""
+    reason_by_backend: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """A reason of its own for some of ``backends`` (backend -> why, and what to do instead)."""
+
+    def reason_for(self, backend: str) -> str:
+        """Why ``backend`` refuses it, and what to do instead."""
+        return self.reason_by_backend.get(backend, self.reason)
 
 
 _SHARDED = "ODC already shards parameters, gradients and optimizer state"
@@ -198,7 +204,14 @@ UNSUPPORTED: Mapping[str, Unsupported] = {
         "ODC does not support expert parallelism yet; use 1",
     ),
     "use_distributed_optimizer": Unsupported(
-        "--use-distributed-optimizer", (*ODC_ENGINE_BACKENDS, "ddp"), _SHARDED
+        "--use-distributed-optimizer",
+        (*ODC_ENGINE_BACKENDS, "ddp"),
+        _SHARDED,
+        {
+            "ddp": "--dp-backend ddp is megatron-core DDP with the optimizer state replicated on "
+            "every rank; for Megatron's distributed optimizer use --dp-backend distopt instead "
+            "(it sets --use-distributed-optimizer itself)"
+        },
     ),
     "use_megatron_fsdp": Unsupported("--use-megatron-fsdp", BACKENDS, "pick one backend"),
     "use_torch_fsdp2": Unsupported("--use-torch-fsdp2", BACKENDS, "pick one backend"),
@@ -254,7 +267,8 @@ def refuse_unsupported(backend: str, **settings: Any) -> None:
         on = (value or 1) > 1 if key.endswith("_size") else bool(value)
         if on and backend in rule.backends:
             raise ValueError(
-                f"--dp-backend {backend} does not combine with {rule.flag}: {rule.reason}"
+                f"--dp-backend {backend} does not combine with {rule.flag}: "
+                f"{rule.reason_for(backend)}"
             )
 
 

@@ -84,3 +84,13 @@ def test_pipeline_stages_are_not_refused_but_virtual_stages_are() -> None:
     refuse_unsupported("ddp", virtual_pipeline_model_parallel_size=2)
     with pytest.raises(KeyError):
         refuse_unsupported("odc", no_such_setting=True)
+
+
+def test_ddp_with_the_distributed_optimizer_points_to_distopt() -> None:
+    # Megatron's own --use-distributed-optimizer under --dp-backend ddp is not ODC's sharding: the
+    # refusal says what to use instead (it said "ODC already shards ..." before).
+    with pytest.raises(ValueError, match="use --dp-backend distopt instead") as raised:
+        refuse_unsupported("ddp", use_distributed_optimizer=True)
+    assert "ODC" not in str(raised.value)
+    with pytest.raises(ValueError, match="ODC already shards"):
+        refuse_unsupported("odc", use_distributed_optimizer=True)
