@@ -33,11 +33,12 @@ What each patch is for (the facts behind them: docs/architecture.md, section 3):
    ``param_and_grad_buffer``'s warm-up tensor. See 9. Packed (THD) sequences on the local spec, always applied: ``DotProductAttention.forward`` asserts
    ``packed_seq_params is None`` ("use TEDotProductAttention"), so Megatron-LM's ``--sft`` (whose
    samples always carry ``cu_seqlens``) cannot run on CPU with either backend. It is replaced by
-   :func:`packed_attention_forward`, which for ``qkv_format="thd"`` runs the original on the
-   ``[t, 1, heads, dim]`` view of the packed ``[t, heads, dim]`` query, key and value with the
-   block-diagonal causal mask of ``cu_seqlens`` (``data.packing.block_causal_mask``; what
-   TransformerEngine's THD kernels compute, here as a dense ``[t, t]`` mask), and returns
-   ``[t, heads * dim]`` as TE does. Without packed parameters the original runs unchanged.
+   :func:`packed_attention_forward`, which for ``qkv_format="thd"`` runs the original, causal, on
+   each segment of ``cu_seqlens`` of the packed ``[t, heads, dim]`` query, key and value alone (as a
+   ``[s, 1, heads, dim]`` batch) and concatenates the outputs to ``[t, heads * dim]``, as TE returns:
+   the block-diagonal causal attention TransformerEngine's THD kernels compute, at their cost
+   (``sum(s_i**2)``, not the ``t**2`` of a dense block-diagonal mask). Without packed parameters the
+   original runs unchanged.
 
 [Note: device-remap mode is per thread].
 4. ``torch.Tensor.cuda`` / ``torch.nn.Module.cuda`` -> identity (return ``self``): ``tensor_parallel.
@@ -85,6 +86,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import itertools
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -92,7 +94,6 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from megatron_odc.data.packing import block_causal_mask
 from megatron_odc.mcore.releases import SKIP_VERSION_CHECK_ENV, Release, current_release
 
 __all__ = [
@@ -354,21 +355,25 @@ def packed_attention_forward(original: Callable) -> Callable:
             raise ValueError(
                 "packed sequences on CPU need the same cu_seqlens for queries and keys"
             )
-        mask = block_causal_mask(cu_q).to(query.device)
-        if mask.shape[-1] != query.shape[0]:
+        bounds = cu_q.reshape(-1).tolist()
+        if bounds[-1] != query.shape[0]:
             raise ValueError(
-                f"cu_seqlens cover {mask.shape[-1]} tokens, the packed query has {query.shape[0]}"
+                f"cu_seqlens cover {bounds[-1]} tokens, the packed query has {query.shape[0]}"
             )
-        out = original(
-            self,
-            query.unsqueeze(1),
-            key.unsqueeze(1),
-            value.unsqueeze(1),
-            mask,
-            attn_mask_type,
-            attention_bias,
-        )
-        return out.reshape(out.shape[0], -1)
+        outs = []
+        for start, end in itertools.pairwise(bounds):
+            if end > start:  # repeated boundaries (right-padded cu_seqlens) are empty segments
+                out = original(
+                    self,
+                    query[start:end].unsqueeze(1),
+                    key[start:end].unsqueeze(1),
+                    value[start:end].unsqueeze(1),
+                    None,
+                    attn_mask_type,
+                    attention_bias,
+                )
+                outs.append(out.reshape(end - start, -1))
+        return torch.cat(outs)
 
     forward.__megatron_odc_original__ = original
     return forward

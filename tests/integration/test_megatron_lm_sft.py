@@ -194,14 +194,15 @@ def test_fixed_packs_keep_one_sample_per_microbatch() -> None:
 
 
 def test_cpu_packed_attention_equals_each_sequence_alone(tmp_path) -> None:
-    """The CPU runtime's THD attention on the local spec (shim 9) = the original attention run on
-    each segment alone with its causal mask."""
+    """The CPU runtime's THD attention on the local spec (shim 9) = the original attention over the
+    whole pack with the block-diagonal causal mask, and = each segment alone."""
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from megatron_odc.data.packing import block_causal_mask
     from megatron_odc.integration.cpu import cpu_runtime
 
     torch.distributed.init_process_group(
@@ -234,6 +235,12 @@ def test_cpu_packed_attention_equals_each_sequence_alone(tmp_path) -> None:
             )
             packed = attention(q, k, v, None, packed_seq_params=params)
             assert packed.shape == (20, 32)
+            # the reference: the original attention over all 20 tokens under the dense
+            # block-diagonal causal mask of cu_seqlens
+            dense = DotProductAttention.forward.__megatron_odc_original__(
+                attention, q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), block_causal_mask(cu)
+            )
+            torch.testing.assert_close(packed, dense.reshape(20, -1))
             bounds = cu.reshape(-1).tolist()
             for a, b in itertools.pairwise(bounds):
                 alone = attention(
