@@ -339,5 +339,5 @@ def test_grpo_cpu_example_runs_tiny_and_the_three_backends_make_the_same_updates
             assert len(set(counts)) == 1, (backend, counts)
     last = out.rstrip().splitlines()[-1]
     ratios = re.findall(r"(\d+\.\d+)x", last)
-    assert last.startswith("measured ODC+LB-Mini speedup"), last
+    assert last.startswith("measured ODC+LB-Mini speedup (median step)"), last
     assert len(ratios) == 4, last
