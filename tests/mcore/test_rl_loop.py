@@ -9,7 +9,8 @@ One 4-rank world (CPU, gloo, shm transport), three layouts:
   local n x DP / global tokens, ``calculate_per_token_loss=False``) under ODC with uneven counts
   including 0, different at every step, 5 AdamW steps with clipping, equals megatron-core DDP padded to
   equal counts with empty microbatches on the same samples to 1e-5: per-step loss, grad norm, final
-  parameters. After training the iterator equals the parameters assembled from the owners' shards, and
+  parameters; the same with Megatron's per-token loss (``calculate_per_token_loss=True``). After
+  training the iterator equals the parameters assembled from the owners' shards, and
   holds at most one unit unsharded at a time. With Hugging Face names (a tiny Llama loaded through
   mbridge, vocabulary padded 61 -> 62) the tensors equal the HF checkpoint's bit for bit. A 3-tuple
   (per-microbatch mean) loss is refused;
@@ -93,8 +94,9 @@ def _mean_loss_forward_step(data_iterator, model):
     return output, functools.partial(per_token_loss, batch["loss_mask"])
 
 
-def _external_loop(backend: str, cfg, steps: int) -> dict:
-    """verl's loop: all-reduce the global tokens, run the schedule on the local count, step."""
+def _external_loop(backend: str, cfg, steps: int, contract: str = "global_tokens") -> dict:
+    """verl's loop: all-reduce the global tokens, run the schedule on the local count, step (with
+    ``contract="per_token"``: Megatron's per-token loss, no global count needed)."""
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_schedule
@@ -106,6 +108,7 @@ def _external_loop(backend: str, cfg, steps: int) -> dict:
         get_forward_backward_func,
         global_tokens_scale,
     )
+    from tests._megatron import _forward_step as per_token_forward_step
 
     dp_group = parallel_state.get_data_parallel_group()
     dp_rank, dp_size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
@@ -114,7 +117,7 @@ def _external_loop(backend: str, cfg, steps: int) -> dict:
         backend,
         build_gpt_model(cfg, seed=11),
         _optimizer_config(cfg),
-        loss_contract="global_tokens",
+        loss_contract=contract,
         odc_config=ODCConfig(bucket_size=BUCKET_NUMEL) if odc else None,
     )
     schedule = get_forward_backward_func() if odc else megatron_schedule()
@@ -129,8 +132,13 @@ def _external_loop(backend: str, cfg, steps: int) -> dict:
         scale = global_tokens_scale(len(mine), int(tokens), dp_size)
         model.zero_grad_buffer()
         optimizer.zero_grad()
+        forward_step = (
+            per_token_forward_step
+            if contract == "per_token"
+            else functools.partial(_verl_forward_step, scale)
+        )
         reports = schedule(
-            forward_step_func=functools.partial(_verl_forward_step, scale),
+            forward_step_func=forward_step,
             data_iterator=iter(mine),
             model=[model],
             num_microbatches=len(mine),
@@ -312,6 +320,19 @@ def _run(rank: int, world_size: int, hf_dir: str | None) -> dict:
         out["sync_trained"] = _check_weight_sync_trained(odc["model"])
         out["three_tuple"] = _check_three_tuple_refused(odc["model"], cfg)
         odc["model"].close()
+        cfg = GPTConfig(**SMALL_GPT)  # Megatron's per-token loss through the same loop
+        ddp = _external_loop("ddp", cfg, len(COUNTS), "per_token")
+        odc = _external_loop("odc", cfg, len(COUNTS), "per_token")
+        odc_params = odc["model"].engine.full_parameters()
+        out["per_token"] = {
+            "ddp": ddp["metrics"],
+            "odc": odc["metrics"],
+            "param_worst": max(
+                (_rel_err(odc_params[n], p.detach()), n)
+                for n, p in ddp["model"].module.named_parameters()
+            ),
+        }
+        odc["model"].close()
     finally:
         teardown_megatron()
     init_megatron(1, seed=5, pp=2)
@@ -332,8 +353,11 @@ def world(tmp_path_factory) -> list[dict]:
     return run_ranks(_run, 4, hf_dir, timeout_s=300, pg_timeout_s=60)
 
 
-def test_external_verl_loop_under_odc_equals_padded_ddp(world) -> None:
+@pytest.mark.parametrize("contract", ["global_tokens", "per_token"])
+def test_external_verl_loop_under_odc_equals_padded_ddp(world, contract) -> None:
     for rank, res in enumerate(world):
+        if contract == "per_token":
+            res = res["per_token"]
         odc, ddp = res["odc"], res["ddp"]
         assert 0 in odc["counts"], odc["counts"]
         assert len(set(odc["counts"])) > 1, odc["counts"]
