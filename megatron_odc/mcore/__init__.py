@@ -11,7 +11,9 @@
 - ``model``, ``parallel``, ``optimizer_setup``, ``datasets``, ``rng``: megatron-core's GPT, parallel
   state, optimizer config and scheduler, pretraining datasets and generators, for the entries;
 - ``fp8_te``: TransformerEngine FP8 parameters through megatron-core's ``fp8_utils``;
-- ``cpu_optimizers``: megatron-core's own optimizers over CPU tensors.
+- ``cpu_optimizers``: megatron-core's own optimizers over CPU tensors;
+- ``rl/``: ODC under a training loop someone else drives (RL / post-training: loss contracts, the
+  schedule call on a rank-local count, rollout weight sync, offload, a frozen reference; docs/rl.md).
 
 Imports ``core/`` and ``transport/`` from the package. Nothing is imported with the package itself.
 """
