@@ -58,11 +58,18 @@ def forward_backward(
     stages every stage of this rank's pipeline must pass the same count (checked first, one small
     all-reduce over the pipeline: :func:`~megatron_odc.mcore.pipeline.agree_pipeline_count`). A
     training call with 0 skips the schedule (which cannot run zero) and runs
-    :func:`finalize_without_microbatches`; it returns no loss reports. Forward-only calls are passed
-    through unchanged.
+    :func:`finalize_without_microbatches`; it returns no loss reports. Forward-only calls (log-probs, a
+    reference model) are passed through unchanged; with 0 they return no outputs (no gradients to
+    finalize, so no collective: every stage of a pipeline must pass 0 together).
     """
+    if isinstance(num_microbatches, bool) or int(num_microbatches) != num_microbatches:
+        raise ValueError(f"num_microbatches must be an integer >= 0, got {num_microbatches!r}")
+    if num_microbatches < 0:
+        raise ValueError(f"num_microbatches must be >= 0, got {num_microbatches}")
     schedule = get_forward_backward_func()
     if kwargs.get("forward_only", False):
+        if num_microbatches == 0:
+            return []
         return schedule(
             forward_step_func=forward_step_func,
             data_iterator=data_iterator,
@@ -70,10 +77,6 @@ def forward_backward(
             num_microbatches=num_microbatches,
             **kwargs,
         )
-    if isinstance(num_microbatches, bool) or int(num_microbatches) != num_microbatches:
-        raise ValueError(f"num_microbatches must be an integer >= 0, got {num_microbatches!r}")
-    if num_microbatches < 0:
-        raise ValueError(f"num_microbatches must be >= 0, got {num_microbatches}")
     agree_pipeline_count(int(num_microbatches))
     chunks = model if isinstance(model, list) else [model]
     if num_microbatches == 0:

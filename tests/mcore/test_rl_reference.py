@@ -1,7 +1,7 @@
 """A frozen reference model under ODC (``mcore/rl/reference.py``) next to a trained policy, 2 CPU ranks.
 
 The reference (the small GPT, fp32, sharded over DP=2) runs forward only, 3 microbatches on rank 0 and
-none on rank 1, while the policy (same weights, ODC + Adam) trains a step in the same processes: its
+none on rank 1 (directly and through the external loop's forward-only schedule call), while the policy (same weights, ODC + Adam) trains a step in the same processes: its
 logits equal the unwrapped model's bit for bit, it registers no gradient accumulator, installs no
 gradient hook, pushes nothing, holds nothing unsharded after a forward, and its bytes on the device are
 the parameter shards only (measured against the policy's shards + optimizer). A frozen wrapper of a
@@ -52,8 +52,38 @@ def _run(rank: int, world_size: int) -> dict:
                 batch = make_batch(cfg, 1, seed=90 + i)
                 args = (batch["tokens"], batch["position_ids"], batch["attention_mask"])
                 equal.append(torch.equal(reference(*args), bare(*args)))
+        # The same forwards through the external loop's schedule call (forward-only, 0 on rank 1).
+        from megatron_odc.mcore.rl.loop import get_forward_backward_func
+
+        def logits_step(data_iterator, model):
+            batch = next(data_iterator)
+            output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"])
+            return output, lambda out: (out.sum(), {"logits": out.detach()})
+
+        with torch.no_grad():
+            scheduled = get_forward_backward_func()(
+                forward_step_func=logits_step,
+                data_iterator=iter(
+                    [make_batch(cfg, 1, seed=90 + i) for i in range(FORWARDS[rank])]
+                ),
+                model=[reference],
+                num_microbatches=FORWARDS[rank],
+                seq_length=cfg.seq_length,
+                micro_batch_size=1,
+                forward_only=True,
+            )
+        with torch.no_grad():
+            expected = [
+                bare(b["tokens"], b["position_ids"], b["attention_mask"])
+                for b in (make_batch(cfg, 1, seed=90 + i) for i in range(FORWARDS[rank]))
+            ]
+        equal_scheduled = [
+            torch.equal(report["logits"], want) for report, want in zip(scheduled, expected)
+        ]
         engine = reference.engine
         out = {
+            "scheduled_equal": equal_scheduled,
+            "scheduled_count": len(scheduled),
             "logits_equal": equal,
             "grad_buffers": [n for n in engine.transport.buffer_names if ".grad." in n],
             "pushes": engine.telemetry.num_pushes,
@@ -88,6 +118,9 @@ def world() -> list[dict]:
 def test_reference_forward_equals_the_unwrapped_model_with_uneven_counts(world) -> None:
     for rank, res in enumerate(world):
         assert res["logits_equal"] == [True] * FORWARDS[rank], rank
+        # through get_forward_backward_func(forward_only=True): 0 microbatches return no outputs
+        assert res["scheduled_count"] == FORWARDS[rank], rank
+        assert res["scheduled_equal"] == [True] * FORWARDS[rank], rank
 
 
 def test_reference_has_no_gradients_pushes_or_optimizer_and_holds_its_shards_only(world) -> None:

@@ -203,15 +203,15 @@ def get_forward_backward_func(*args: Any, **kwargs: Any) -> Callable:
 
     The function it returns takes the same keyword arguments; ``num_microbatches`` is this rank's own
     count, 0 included (``step.forward_backward``), the same on every stage of one pipeline (refused in
-    one line otherwise), and the loss function is checked against the model's contract
+    one line otherwise), and a training call's loss function is checked against the model's contract
     (:func:`checked_forward_step`).
     """
 
     def schedule(*, forward_step_func: Callable, model: Any, **call: Any) -> list:
-        chunks = model if isinstance(model, list) else [model]
-        name, _ = contract_of(get_model_config(chunks[0]))
-        return forward_backward(
-            forward_step_func=checked_forward_step(forward_step_func, name), model=model, **call
-        )
+        if not call.get("forward_only", False):  # a forward-only loss trains nothing: any tuple
+            chunks = model if isinstance(model, list) else [model]
+            name, _ = contract_of(get_model_config(chunks[0]))
+            forward_step_func = checked_forward_step(forward_step_func, name)
+        return forward_backward(forward_step_func=forward_step_func, model=model, **call)
 
     return schedule
