@@ -4,7 +4,8 @@ The reference (the small GPT, fp32, sharded over DP=2) runs forward only, 3 micr
 none on rank 1 (directly and through the external loop's forward-only schedule call), while the policy (same weights, ODC + Adam) trains a step in the same processes: its
 logits equal the unwrapped model's bit for bit, it registers no gradient accumulator, installs no
 gradient hook, pushes nothing, holds nothing unsharded after a forward, and its bytes on the device are
-the parameter shards only (measured against the policy's shards + optimizer). A frozen wrapper of a
+the parameter shards only (measured against the policy's shards + optimizer); offloaded it holds none,
+and onloaded it computes the same logits. A frozen wrapper of a
 parameter that still requires grad is refused in one line.
 """
 
@@ -80,8 +81,20 @@ def _run(rank: int, world_size: int) -> dict:
         equal_scheduled = [
             torch.equal(report["logits"], want) for report, want in zip(scheduled, expected)
         ]
+        # Offload the reference between phases (no optimizer) and bring it back: same logits.
+        from megatron_odc.mcore.rl.offload import device_nbytes, offload, onload
+
+        moved = offload([reference])
+        offloaded_bytes = device_nbytes([reference]).total
+        onload(moved)
+        with torch.no_grad():
+            batch = make_batch(cfg, 1, seed=90)
+            args = (batch["tokens"], batch["position_ids"], batch["attention_mask"])
+            equal_after_onload = torch.equal(reference(*args), bare(*args))
         engine = reference.engine
         out = {
+            "offloaded_bytes": offloaded_bytes,
+            "equal_after_onload": equal_after_onload,
             "scheduled_equal": equal_scheduled,
             "scheduled_count": len(scheduled),
             "logits_equal": equal,
@@ -133,6 +146,8 @@ def test_reference_has_no_gradients_pushes_or_optimizer_and_holds_its_shards_onl
         assert res["reference_bytes"] <= 1.2 * res["model_bytes"] / 2, (rank, res)
         assert res["reference_bytes"] < res["policy_bytes"] / 3, (rank, res)
         assert "set requires_grad=False on every parameter" in res["refusal"], res["refusal"]
+        assert res["offloaded_bytes"] == 0, rank
+        assert res["equal_after_onload"], rank
     res = world[0]
     logging.getLogger(__name__).info(
         "DP=2 rank 0: reference %d B on the device (parameter shards), policy %d B (shards, "

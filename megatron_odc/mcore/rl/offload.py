@@ -49,8 +49,9 @@ class DeviceBytes:
         return self.shards + self.optimizer + self.unsharded
 
 
-def device_nbytes(model_chunks: Sequence, optimizer) -> DeviceBytes:
-    """What the ODC chunks and their optimizer hold on the device now."""
+def device_nbytes(model_chunks: Sequence, optimizer=None) -> DeviceBytes:
+    """What the ODC chunks and their optimizer (``None``: a frozen reference has none) hold on the
+    device now."""
     shards = unsharded = 0
     for chunk in model_chunks:
         engine = chunk.engine
@@ -58,7 +59,8 @@ def device_nbytes(model_chunks: Sequence, optimizer) -> DeviceBytes:
             transport = engine.transport
             shards += sum(transport.local(name).nbytes for name in transport.buffer_names)
         unsharded += engine.unsharded_nbytes()
-    storages = {t.untyped_storage().data_ptr(): t for t in optimizer.device_tensors()}
+    tensors = optimizer.device_tensors() if optimizer is not None else []
+    storages = {t.untyped_storage().data_ptr(): t for t in tensors}
     held = sum(t.untyped_storage().nbytes() for ptr, t in storages.items() if ptr)
     return DeviceBytes(shards, held, unsharded)
 
@@ -69,7 +71,7 @@ class Offloaded:
 
     Attributes:
         model_chunks: the ODC chunks.
-        optimizer: their ``ODCOptimizer``.
+        optimizer: their ``ODCOptimizer`` (``None`` for a frozen reference).
         tensors: each optimizer tensor whose storage was freed, with its host copy.
     """
 
@@ -78,15 +80,17 @@ class Offloaded:
     tensors: list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def offload(model_chunks: Sequence, optimizer, host: torch.device | str = "cpu") -> Offloaded:
-    """Move every ODC chunk's shards and the optimizer's tensors to ``host`` (collective; between
-    steps). Until :func:`onload`, nothing may run a step, fetch or save."""
+def offload(model_chunks: Sequence, optimizer=None, host: torch.device | str = "cpu") -> Offloaded:
+    """Move every ODC chunk's shards and the optimizer's tensors (``optimizer=None``: a frozen
+    reference model's chunks) to ``host`` (collective; between steps). Until :func:`onload`,
+    nothing may run a step, fetch or save."""
     chunks = list(model_chunks)
     host = torch.device(host)
-    optimizer.unbind_grads()
     moved: list[tuple[torch.Tensor, torch.Tensor]] = []
     seen: set[int] = set()
-    for tensor in optimizer.device_tensors():
+    if optimizer is not None:
+        optimizer.unbind_grads()
+    for tensor in optimizer.device_tensors() if optimizer is not None else []:
         storage = tensor.untyped_storage()
         if storage.data_ptr() in seen:
             continue
@@ -112,4 +116,5 @@ def onload(offloaded: Offloaded) -> None:
         with torch.no_grad():
             tensor.copy_(saved)
     offloaded.tensors.clear()
-    offloaded.optimizer.bind_grads()
+    if offloaded.optimizer is not None:
+        offloaded.optimizer.bind_grads()
