@@ -234,10 +234,23 @@ _DEFAULTS = {"wrap_with_ddp": "True", "ignore_unknown_args": "False"}
 """Defaults the fake's bodies rely on (every other parameter defaults to None)."""
 
 
+def _parses_in_initialize(row: MegatronLmRelease) -> bool:
+    """Whether the tag's ``initialize_megatron`` parses the arguments (before core_v0.18.2's
+    ``arguments.parse_and_validate_args``, which ``pretrain_gpt.py`` calls first)."""
+    return f"{_ARGS}.parse_and_validate_args" not in row.signatures
+
+
+def _row_signatures(row: MegatronLmRelease) -> dict[str, tuple[str, ...]]:
+    """The row's names, and ``initialize_megatron`` (which the fake's callers use) where it has none."""
+    parses = ("extra_args_provider", "args_defaults", "ignore_unknown_args")
+    default = parses if _parses_in_initialize(row) else ()
+    return {f"{_TRAIN}.initialize_megatron": default, **row.signatures}
+
+
 def _row_bodies(row: MegatronLmRelease) -> dict[str, str]:
     """:data:`_BODIES` plus the two whose behaviour the row decides."""
     bodies = dict(_BODIES)
-    if "extra_args_provider" in row.signatures[f"{_TRAIN}.initialize_megatron"]:
+    if _parses_in_initialize(row):
         bodies[f"{_TRAIN}.initialize_megatron"] = _BODIES[f"{_ARGS}.parse_and_validate_args"]
     else:  # the row's pretrain_gpt.py parses first (parse_and_validate_args)
         bodies[f"{_TRAIN}.initialize_megatron"] = "return get_args()"
@@ -261,10 +274,10 @@ def _row_bodies(row: MegatronLmRelease) -> dict[str, str]:
 
 def fake_megatron_lm_sources(row: MegatronLmRelease) -> dict[str, str]:
     """``{relative path: source}`` of the fake Megatron-LM of ``row`` (see above)."""
-    bodies = _row_bodies(row)
+    bodies, signatures = _row_bodies(row), _row_signatures(row)
     parts: dict[str, list[str]] = {m: [textwrap.dedent(h).strip("\n")] for m, h in _HEADERS.items()}
     defined: set[str] = set()
-    for name in dict.fromkeys([*row.signatures, *row.patch_points]):
+    for name in dict.fromkeys([*signatures, *row.patch_points]):
         module, attr = name.rsplit(".", 1)
         if name in _IMPORTED:
             parts[module].append(_IMPORTED[name])
@@ -275,7 +288,7 @@ def fake_megatron_lm_sources(row: MegatronLmRelease) -> dict[str, str]:
         if f"{home}.{attr}" in defined:
             continue
         defined.add(f"{home}.{attr}")
-        params = ", ".join(f"{p}={_DEFAULTS.get(p, 'None')}" for p in row.signatures[name])
+        params = ", ".join(f"{p}={_DEFAULTS.get(p, 'None')}" for p in signatures[name])
         body = bodies.get(
             name,
             f"raise NotImplementedError('{attr}: the fake Megatron-LM has no behaviour for it')",
@@ -283,7 +296,7 @@ def fake_megatron_lm_sources(row: MegatronLmRelease) -> dict[str, str]:
         parts[home].append(
             f"def {attr}({params}):\n" + textwrap.indent(textwrap.dedent(body).strip("\n"), "    ")
         )
-    used = {n.rsplit(".", 1)[0] for n in row.signatures} | set(_DEFINED_IN.values())
+    used = {n.rsplit(".", 1)[0] for n in signatures} | set(_DEFINED_IN.values())
     used |= {_ARGS, _INIT, _TRAIN, f"{_T}.global_vars"}
     used |= {".".join(m.split(".")[:i]) for m in used for i in range(2, m.count(".") + 1)}
     packages = {m for m in used if any(o.startswith(f"{m}.") for o in used)}
@@ -340,7 +353,7 @@ def _import_fake(fake_root: str):
 def _parse(initialize, argv: list[str], extra=None):
     """Megatron-LM's args from ``argv`` as the row's ``pretrain_gpt.py`` gets them."""
     sys.argv = list(argv)
-    if f"{_ARGS}.parse_and_validate_args" in _installed_row().signatures:
+    if not _parses_in_initialize(_installed_row()):
         sys.modules[_ARGS].parse_and_validate_args(extra_args_provider=extra)
         return initialize.initialize_megatron()
     return initialize.initialize_megatron(extra_args_provider=extra)
