@@ -4,7 +4,7 @@ With ``--balance`` other than ``none``, the train split gets a :class:`BalancedP
 iterator exposes ``next_num_microbatches()`` (what ``schedule.py`` asks). Global batch ``i`` is always
 samples ``[i * global_batch_size, (i + 1) * global_batch_size)``, Megatron-LM's ``single`` sampler's,
 so ``consumed_samples`` and resume keep their meaning; the plan is made per global batch by
-``data.sampler.LengthBalancedSampler`` (one global batch ahead, on a lookahead thread) and its count
+``balance.plan.make_plan`` (one global batch ahead, on a lookahead thread) and its count
 drives the schedule. With pipeline stages the plan is made over DP replicas
 (``--pipeline-model-parallel-size`` stages each): the first and last stage of a replica (where
 Megatron-LM's GPT builds the dataset) plan the same global batch for the same DP rank, so they get the
@@ -32,7 +32,9 @@ width). Records are never padded one by one. The microbatch itself is padded to 
 more segment, no loss) only where Megatron-LM needs a fixed shape: tensor parallelism (only TP rank 0
 reads data; the others receive ``[micro_batch_size, seq_length]`` tensors) and pipeline parallelism
 (stage-to-stage sends of ``[seq_length, micro_batch_size, hidden]``); otherwise it has exactly its real
-tokens. Every record's labels already end in a pad label (loss mask 0), so no token predicts across
+tokens. A padded microbatch costs what a full one does: with pipeline stages the 1F1B model takes that
+cost as every microbatch's least (``microbatch_floor``), so the plan packs rather than splits; with TP
+alone the DP plan still balances the records' own costs (the padding is not in it). Every record's labels already end in a pad label (loss mask 0), so no token predicts across
 records; with the block-diagonal attention of ``cu_seqlens`` (TransformerEngine's THD, or the CPU
 runtime's shim 9) each record's loss is what it is alone, and per-token loss makes the global batch's
 loss the same however its records are split.
@@ -49,9 +51,8 @@ from typing import Any
 import torch
 
 from megatron_odc.balance.cost import CostModel
-from megatron_odc.balance.plan import Plan
+from megatron_odc.balance.plan import Plan, make_plan
 from megatron_odc.data.lookahead import Lookahead
-from megatron_odc.data.sampler import LengthBalancedSampler
 from megatron_odc.runner.odc_flags import MEGATRON_SAMPLER
 
 logger = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ class BalancedPretrainingLoader:
     """This DP rank's microbatches of every global batch of a Megatron-LM dataset, planned per batch.
 
     Global batch ``i`` is samples ``[i * global_batch_size, (i + 1) * global_batch_size)`` in dataset
-    order (like Megatron-LM's ``single`` sampler); its plan is :meth:`LengthBalancedSampler.assignment`
+    order (like Megatron-LM's ``single`` sampler); its plan is ``balance.plan.make_plan``
     over the sample lengths (``seq_length`` each for fixed packs; the real lengths of records, see
     [Note: packed records]). Iterating yields an iterator whose ``next_num_microbatches()`` starts the
     next global batch and returns this rank's count; ``next()`` then returns its microbatches one by
@@ -123,17 +124,25 @@ class BalancedPretrainingLoader:
                 f"Megatron-LM's microbatches are [1, seq_length] there, so it must be {seq_length}"
             )
 
-    def _sampler(self, lengths: list[int]) -> LengthBalancedSampler:
-        return LengthBalancedSampler(
+    def _plan(self, lengths: list[int]) -> Plan:
+        cost = (self.cost_model or CostModel.tokens()) if self.records else CostModel.tokens()
+        # [Note: packed records]: a microbatch padded to seq_length costs what a full one does,
+        # which the 1F1B model takes as each microbatch's least cost
+        floor = (
+            cost.sample_cost(self.seq_length)
+            if self.records and self.fixed_shape and self.pipeline_stages > 1
+            else 0.0
+        )
+        return make_plan(
+            self.plan_kind,
+            list(range(len(lengths))),
             lengths,
-            global_batch_size=self.global_batch_size,
-            dp_size=self.dp_size,
-            dp_rank=self.dp_rank,
-            plan_kind=self.plan_kind,
+            self.dp_size,
             cap_tokens=self.max_tokens if self.records else self.seq_length,
-            cost_model=self.cost_model if self.records else None,
-            shuffle=False,
+            cost_model=cost,
+            too_long="error",
             pipeline_stages=self.pipeline_stages,
+            microbatch_floor=floor,
         )
 
     def rank_microbatches(self, index: int) -> tuple[tuple[int, ...], ...]:
@@ -153,8 +162,10 @@ class BalancedPretrainingLoader:
             lengths = [record_length(r, self.pad_id) for r in records]
         else:
             lengths = [self.seq_length] * self.global_batch_size
-        assignment = self._sampler(lengths).assignment(0, 0)
-        microbatches = tuple(tuple(offset + i for i in mb) for mb in assignment.microbatches)
+        plan = self._plan(lengths)
+        microbatches = tuple(
+            tuple(offset + i for i in mb) for mb in plan.rank_microbatches(self.dp_rank)
+        )
         batches = None
         if self.records:
             batches = tuple(
@@ -171,7 +182,7 @@ class BalancedPretrainingLoader:
         return PlannedBatch(
             microbatches=microbatches,
             batches=batches,
-            plan=assignment.plan,
+            plan=plan,
         )
 
     def __iter__(self) -> _BalancedIterator:
