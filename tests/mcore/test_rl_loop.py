@@ -218,6 +218,20 @@ def _check_weight_sync_trained(model) -> dict:
     }
 
 
+def _check_weight_sync_ddp(model) -> dict:
+    """megatron-core DDP (replicated parameters): the iterator against the module's own parameters,
+    TP-merged by the test helper."""
+    from megatron_odc.mcore.rl.weight_sync import iter_full_weights
+    from tests._megatron import gather_tp_tensor
+
+    reference = {n: gather_tp_tensor(p.detach(), p) for n, p in model.module.named_parameters()}
+    got = dict(iter_full_weights(model, gather_tp=True))
+    return {
+        "names": (sorted(got), sorted(reference)),
+        "unequal": sorted(n for n in reference if not torch.equal(got[n], reference[n])),
+    }
+
+
 def _check_weight_sync_hf_names(hf_dir: str) -> dict:
     """At TP=2 under ODC, the iterator with HF names against the HF safetensors the model was loaded
     from (mbridge's split on load, the iterator's merge and conversion on the way out: copies only)."""
@@ -318,6 +332,7 @@ def _run(rank: int, world_size: int, hf_dir: str | None) -> dict:
         odc_params = odc["model"].engine.full_parameters()
         out["param_worst"] = max((_rel_err(odc_params[n], ddp_params[n]), n) for n in ddp_params)
         out["sync_trained"] = _check_weight_sync_trained(odc["model"])
+        out["sync_ddp"] = _check_weight_sync_ddp(ddp["model"])
         out["three_tuple"] = _check_three_tuple_refused(odc["model"], cfg)
         odc["model"].close()
         cfg = GPTConfig(**SMALL_GPT)  # Megatron's per-token loss through the same loop
@@ -379,7 +394,7 @@ def test_external_verl_loop_under_odc_equals_padded_ddp(world, contract) -> None
 
 def test_weight_sync_is_bitwise_the_unsharded_model_at_tp1_and_tp2(world) -> None:
     for rank, res in enumerate(world):
-        for key in ("sync_tp1", "sync_tp2", "sync_trained"):
+        for key in ("sync_tp1", "sync_tp2", "sync_trained", "sync_ddp"):
             names, reference = res[key]["names"]
             assert names == reference, (rank, key)
             assert res[key]["unequal"] == [], (rank, key, res[key]["unequal"])

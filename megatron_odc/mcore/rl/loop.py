@@ -53,7 +53,7 @@ class LossContract:
     Attributes:
         calculate_per_token_loss: the ``TransformerConfig`` flag the contract needs.
         loss_outputs: how many values the loss function returns (3: Megatron's per-token tuple).
-        description: one line for errors and docs.
+        description: what the loss function returns, for the errors.
     """
 
     calculate_per_token_loss: bool
@@ -105,8 +105,9 @@ def check_loss_contract(name: str, config: Any) -> LossContract:
     contract = LOSS_CONTRACTS[name]
     if bool(config.calculate_per_token_loss) != contract.calculate_per_token_loss:
         raise ValueError(
-            f"loss contract {name!r} needs TransformerConfig.calculate_per_token_loss="
-            f"{contract.calculate_per_token_loss}, the model has {config.calculate_per_token_loss}"
+            f"loss contract {name!r} ({contract.description}) needs TransformerConfig."
+            f"calculate_per_token_loss={contract.calculate_per_token_loss}, the model has "
+            f"{config.calculate_per_token_loss}"
         )
     return contract
 
