@@ -111,14 +111,34 @@ def describe_megatron() -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point; ``argv`` defaults to ``sys.argv[1:]``; a refusal exits with one line."""
+    """Entry point; ``argv`` defaults to ``sys.argv[1:]``; a refusal or a peer's death exits with one
+    line (``megatron_lm.health.failure_report``)."""
+    finished = False
     try:
         _main(argv)
-    except ValueError as exc:
-        if not is_odc_refusal(exc):
+        finished = True
+    except Exception as exc:
+        report = _failure_report(exc)  # while this rank's health records are still kept
+        if report is None:
             raise
-        sys.stderr.write(f"megatron_odc: {exc}\n")
-        sys.exit(REFUSAL_EXIT_CODE)
+        status, line = report
+        if line is not None:
+            sys.stderr.write(f"megatron_odc: {line}\n")
+        sys.exit(status)
+    finally:
+        with contextlib.suppress(ImportError):  # nothing was started without torch
+            from megatron_odc.integration.megatron_lm.health import end_job
+
+            end_job(finished=finished)
+
+
+def _failure_report(exc: BaseException) -> tuple[int, str | None] | None:
+    refusal = is_odc_refusal(exc)
+    try:
+        from megatron_odc.integration.megatron_lm.health import failure_report
+    except ImportError:  # megatron_odc's own refusal before torch / megatron-core could be imported
+        return (REFUSAL_EXIT_CODE, str(exc)) if refusal else None
+    return failure_report(exc, refusal=refusal)
 
 
 def _main(argv: list[str] | None) -> None:

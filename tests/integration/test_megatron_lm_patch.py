@@ -129,7 +129,7 @@ def test_hooks_wrap_with_the_launchers_wrappers(monkeypatch) -> None:
         assert set(release.patch_points) <= set(release.signatures), release.tag
     assert catalogue == {name for r in MEGATRON_LM_RELEASES for name in r.patch_points}
     with pytest.raises(ValueError, match="not an ODC patch point"):
-        odc_patch_point("megatron.training.training", "train_step", lambda: None)
+        odc_patch_point("megatron.training.training", "evaluate", lambda: None)
 
 
 def test_cpu_flags_added_only_where_unset_and_only_without_cuda(caplog) -> None:

@@ -16,7 +16,10 @@ has is its row's ``patch_points`` (``releases.py``):
 6. ``training.setup_model_and_optimizer``: after Megatron-LM built the model, every chunk must be
    ``ODCDataParallel`` under ``--dp-backend odc|fsdp`` (``builders.py``), else the run stops;
 7. ``checkpointing._build_sharded_state_dict_metadata``: ODC's optimizer format in the metadata
-   (``checkpointing.py``).
+   (``checkpointing.py``);
+8. ``training.initialize_megatron``, ``train_step``, ``save_checkpoint`` and ``load_checkpoint``: rank
+   health, the watchdog, the checkpoint-writer guard and one job per ``--save`` (``health.py``), for
+   every ``--dp-backend``.
 
 :func:`apply_megatron_lm_patches` (the launcher) checks the installed Megatron-LM (``version.py``) and
 replaces every patch point of its row at runtime (explicit and reversible; nothing happens on import). A patched
@@ -49,6 +52,12 @@ from megatron_odc.integration.megatron_lm.checkpointing import (
 from megatron_odc.integration.megatron_lm.cpu_shims import cpu_shims
 from megatron_odc.integration.megatron_lm.data import wrap_build_pretraining_data_loader
 from megatron_odc.integration.megatron_lm.flags import wrap_parse_args, wrap_validate_args
+from megatron_odc.integration.megatron_lm.health import (
+    wrap_initialize_megatron,
+    wrap_load_checkpoint,
+    wrap_save_checkpoint,
+    wrap_train_step,
+)
 from megatron_odc.integration.megatron_lm.releases import MegatronLmRelease
 from megatron_odc.integration.megatron_lm.schedule import wrap_get_forward_backward_func
 from megatron_odc.integration.megatron_lm.sft import sft_tokenizer_adapter
@@ -117,6 +126,14 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
         "_build_sharded_state_dict_metadata",
         _of_original(wrap_build_sharded_state_dict_metadata),
     ),
+    PatchPoint(
+        "megatron.training.training",
+        "initialize_megatron",
+        _of_original(wrap_initialize_megatron),
+    ),
+    PatchPoint("megatron.training.training", "train_step", _of_original(wrap_train_step)),
+    PatchPoint("megatron.training.training", "save_checkpoint", _of_original(wrap_save_checkpoint)),
+    PatchPoint("megatron.training.training", "load_checkpoint", _of_original(wrap_load_checkpoint)),
 )
 """Every Megatron-LM name the launcher replaces and a patched source wraps, in any supported tag."""
 

@@ -29,6 +29,52 @@ _CHECKPOINTING = "megatron.training.checkpointing"
 _DIST_UTILS = "megatron.training.models.dist_utils"
 
 _DDP_INIT_016 = ("self", "config", "ddp_config", "module", "disable_bucketing", "pg_collection")
+_INITIALIZE_016 = (
+    "allow_no_cuda",
+    "skip_mpu_initialization",
+    "get_embedding_ranks",
+    "get_position_embedding_ranks",
+)
+_TRAIN_STEP_016 = (
+    "forward_step_func",
+    "data_iterator",
+    "model",
+    "optimizer",
+    "opt_param_scheduler",
+    "config",
+    "forward_backward_func",
+    "iteration",
+)
+_CKPT_GROUPS_016 = ("tp_group", "pp_group", "dp_cp_group")
+_CKPT_GROUPS_019 = (*_CKPT_GROUPS_016, "dp_group", "expt_dp_group", "rng_state_key_prefix")
+_SAVE_016 = (
+    "iteration",
+    "model",
+    "optimizer",
+    "opt_param_scheduler",
+    "num_floating_point_operations_so_far",
+    "checkpointing_context",
+    "pipeline_rank",
+    "expert_rank",
+    "tensor_rank",
+    "pipeline_parallel",
+    "expert_parallel",
+    "non_persistent_ckpt",
+    "train_data_iterator",
+    "preprocess_common_state_dict_fn",
+    "release",
+    *_CKPT_GROUPS_016,
+)
+_LOAD_016 = (
+    "ddp_model",
+    "optimizer",
+    "opt_param_scheduler",
+    "load_arg",
+    "strict",
+    "checkpointing_context",
+    "skip_load_to_model_and_opt",
+    *_CKPT_GROUPS_016,
+)
 
 _POINTS_016 = (
     f"{_ARGUMENTS}.parse_args",
@@ -41,6 +87,10 @@ _POINTS_016 = (
     f"{_TRAINING}.build_pretraining_data_loader",
     f"{_TRAINING}.setup_model_and_optimizer",
     f"{_CHECKPOINTING}._build_sharded_state_dict_metadata",
+    f"{_TRAINING}.initialize_megatron",
+    f"{_TRAINING}.train_step",
+    f"{_TRAINING}.save_checkpoint",
+    f"{_TRAINING}.load_checkpoint",
 )
 # core_v0.18.2: initialize no longer imports parse_args / validate_args (pretrain_gpt.py calls
 # arguments.parse_and_validate_args); models/dist_utils.py builds models from a config container.
@@ -54,6 +104,10 @@ _POINTS_018 = (
     f"{_TRAINING}.build_pretraining_data_loader",
     f"{_TRAINING}.setup_model_and_optimizer",
     f"{_CHECKPOINTING}._build_sharded_state_dict_metadata",
+    f"{_TRAINING}.initialize_megatron",
+    f"{_TRAINING}.train_step",
+    f"{_TRAINING}.save_checkpoint",
+    f"{_TRAINING}.load_checkpoint",
 )
 
 _SIGNATURES_016: dict[str, tuple[str, ...]] = {
@@ -85,6 +139,17 @@ _SIGNATURES_016: dict[str, tuple[str, ...]] = {
     ),
     f"{_CHECKPOINTING}._build_sharded_state_dict_metadata": ("args", "dp_cp_group"),
     f"{_TRAINING}.DDP": _DDP_INIT_016,
+    f"{_TRAINING}.initialize_megatron": (
+        "extra_args_provider",
+        "args_defaults",
+        "ignore_unknown_args",
+        *_INITIALIZE_016,
+        "parsed_args",
+        "store",
+    ),
+    f"{_TRAINING}.train_step": _TRAIN_STEP_016,
+    f"{_TRAINING}.save_checkpoint": _SAVE_016,
+    f"{_TRAINING}.load_checkpoint": _LOAD_016,
 }
 """``"module.attr"`` -> parameter names (a class: its ``__init__``'s), from ``core_v0.16.1``: every
 patch point, and ``training.DDP``, which ``get_model``'s wrapper swaps for ODC's factory."""
@@ -102,6 +167,7 @@ _SIGNATURES_018 = {
         "pg_collection",
     ),
     f"{_DIST_UTILS}.DistributedDataParallel": (*_DDP_INIT_016, "full_param_layout"),
+    f"{_TRAINING}.initialize_megatron": (*_INITIALIZE_016, "store"),
     f"{_ARGUMENTS}.parse_and_validate_args": (
         "extra_args_provider",
         "ignore_unknown_args",
@@ -110,6 +176,20 @@ _SIGNATURES_018 = {
 }
 _SIGNATURES_019 = {
     **_SIGNATURES_018,
+    f"{_TRAINING}.initialize_megatron": (
+        *_INITIALIZE_016,
+        "store",
+        "skip_model_parallel_init",
+        "seed_pp_group",
+        "seed_dp_group",
+        "seed_tp_group",
+        "seed_ep_group",
+        "seed_etp_group",
+        "skip_random_seed",
+    ),
+    f"{_TRAINING}.train_step": (*_TRAIN_STEP_016, "pg_collection", "p2p_communicator"),
+    f"{_TRAINING}.save_checkpoint": (*_SAVE_016, *_CKPT_GROUPS_019[3:]),
+    f"{_TRAINING}.load_checkpoint": (*_LOAD_016, *_CKPT_GROUPS_019[3:]),
     f"{_TRAINING}.get_forward_backward_func": ("pp_size", "vp_size", "schedule_pg_collection"),
     f"{_TRAINING}.setup_model_and_optimizer": (
         "model_type",

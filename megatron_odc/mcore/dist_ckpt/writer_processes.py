@@ -25,6 +25,7 @@ child ends: both are started by the thread that saves (the training loop's).
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import logging
 import multiprocessing
 import os
@@ -43,11 +44,15 @@ _manager: SyncManager | None = None
 def die_with_parent(parent_pid: int) -> None:
     """In a child: ask the kernel for SIGKILL when the parent dies; exit now if it already has.
 
-    Ctrl-C is left to the parent (SIGINT ignored here).
+    Ctrl-C is left to the parent (SIGINT ignored here). The SIGTERM with which the parent ends the
+    manager dumps no stack: importing ``megatron.core.inference`` (Megatron-LM's scripts do, and a spawned
+    child re-imports the script) registers ``faulthandler`` for SIGTERM, and every save under
+    Megatron-LM printed ``Stack (most recent call first)`` at exit.
     """
     if not sys.platform.startswith("linux"):
         return
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    faulthandler.unregister(signal.SIGTERM)
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         logger.warning("PR_SET_PDEATHSIG failed (errno %d)", ctypes.get_errno())
