@@ -68,6 +68,48 @@ def test_wheel_megatron_training_odc_equals_ddp(tmp_path, monkeypatch) -> None:
     assert ddp[1] != ddp[4]  # training moved
 
 
+@pytest.mark.timeout(600)
+def test_wheel_megatron_training_sft_odc_lb_mini_equals_ddp(tmp_path, monkeypatch) -> None:
+    """``--sft`` on the wheel's megatron/training: SFTDataset's records of real lengths packed by
+    the balanced loader, LB-Mini's uneven counts (3 and 2: ``test_megatron_lm_sft_e2e.py``'s data) on
+    the CPU runtime's THD attention, and Megatron-LM DDP's per-token losses (one padded record per
+    microbatch) to 1e-5."""
+    monkeypatch.delenv("MEGATRON_LM_PATH", raising=False)
+    from megatron_odc.integration.megatron_lm.sft_example import (
+        write_chats_of_lengths,
+        write_tokenizer,
+    )
+
+    write_tokenizer(tmp_path / "tokenizer")
+    write_chats_of_lengths(tmp_path / "chats.jsonl", [70, 70, 70, 50, 50, 50, 50, 10] * 4)
+    model = [a for a in MODEL_ARGS if a != "--mock-data"]
+    for flag, value in (
+        ("--seq-length", "128"),
+        ("--max-position-embeddings", "128"),
+        ("--global-batch-size", "8"),
+        ("--tokenizer-type", "SFTTokenizer"),
+        ("--split", "100,0,0"),
+        ("--eval-iters", "0"),
+    ):
+        model[model.index(flag) + 1] = value
+    model = [a for a in model if a not in ("--vocab-size", "1024")]
+    sft = (
+        "--sft",
+        "--data-path",
+        str(tmp_path / "chats.jsonl"),
+        "--tokenizer-model",
+        str(tmp_path / "tokenizer"),
+        "--train-iters",
+        "3",
+    )
+    run = {"iterations": range(1, 4), "launch": str(STANDIN), "args": tuple(model)}
+    holds = ("records with real lengths", "num microbatches min/max: 2/3")
+    odc = pretrain_gpt_losses("odc", tmp_path, *sft, log_holds=holds, **run)
+    ddp = pretrain_gpt_losses("ddp", tmp_path, *sft, "--calculate-per-token-loss", **run)
+    for it, loss in ddp.items():
+        assert odc[it] == pytest.approx(loss, rel=1e-5), (it, odc, ddp)
+
+
 @pytest.mark.parametrize(
     ("flags", "says"),
     [
