@@ -337,3 +337,70 @@ def test_cpu_flags_and_tensor_parallel_environment(monkeypatch) -> None:
     assert "CUDA_DEVICE_MAX_CONNECTIONS" not in os.environ  # TP = 1: left alone (FSDP needs it so)
     with_cpu_flags(["--tensor-model-parallel-size", "2"], cuda=False)
     assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.scalars: list[tuple[str, float, int]] = []
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        self.scalars.append((tag, value, step))
+
+
+def test_odc_line_and_scalars_at_megatron_lms_log_interval(tmp_path, monkeypatch, caplog) -> None:
+    """The per-step figures are reduced and logged at Megatron-LM's log iterations only, in the
+    entry's words, and the same figures go to Megatron-LM's TensorBoard writer under ``odc/`` tags."""
+    import sys
+
+    from megatron_odc.integration.megatron_lm.odc_log import OdcLogLine
+
+    args = types.SimpleNamespace(curr_iteration=0, log_interval=2, train_iters=4)
+    writer = _Writer()
+    training = types.ModuleType("megatron.training")
+    training.get_args = lambda: args
+    global_vars = types.ModuleType("megatron.training.global_vars")
+    global_vars.get_tensorboard_writer = lambda: writer
+    global_vars.get_wandb_writer = lambda: None
+    monkeypatch.setitem(sys.modules, "megatron.training", training)
+    monkeypatch.setitem(sys.modules, "megatron.training.global_vars", global_vars)
+    telemetry = {
+        "minibatch": 1,
+        "wall_s": 1.0,
+        "compute_s": 0.8,
+        "fetch_wait_s": 0.05,
+        "push_s": 0.05,
+        "fence_s": 0.1,
+        "fetch_bytes": 0,
+        "push_bytes": 0,
+        "num_fetches": 0,
+        "num_pushes": 0,
+        "num_microbatches": 3,
+        "num_tokens": 10,
+    }
+    chunk = types.SimpleNamespace(telemetry=lambda: telemetry, dp_group=None)
+    source = types.SimpleNamespace(last_plan_s=0.004, last_wait_s=0.001)
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    try:
+        line = OdcLogLine()
+        with caplog.at_level(logging.INFO, logger="megatron_odc"):
+            line.after_step(3, source, [chunk], None)  # iteration 1: nothing yet
+            assert not caplog.records
+            assert not writer.scalars
+            args.curr_iteration = 1
+            line.after_step(1, None, [chunk], None)  # iteration 2: the interval's figures
+    finally:
+        torch.distributed.destroy_process_group()
+    (record,) = caplog.records
+    text = record.getMessage()
+    assert text.startswith("odc iteration        2/       4 | num microbatches min/max: 1/3 | ")
+    assert "plan ahead/wait max (ms): 4.0/1.0" in text
+    assert "odc compute imbalance: 1.00x" in text
+    assert "fetch/push/fence wait max/mean (ms): 50.0/50.0, 50.0/50.0, 100.0/100.0" in text
+    got = {tag: (value, step) for tag, value, step in writer.scalars}
+    assert got["odc/num-microbatches-min"] == (1, 2)
+    assert got["odc/num-microbatches-max"] == (3, 2)
+    assert got["odc/plan-ahead-ms-max"] == (4.0, 2)
+    assert got["odc/fence-ms-max"] == (100.0, 2)
+    assert set(got) >= {"odc/compute-imbalance", "odc/fetch-wait-ms-mean", "odc/push-ms-max"}

@@ -75,6 +75,9 @@ def test_wheel_megatron_training_sft_odc_lb_mini_equals_ddp(tmp_path, monkeypatc
     the CPU runtime's THD attention, and Megatron-LM DDP's per-token losses (one padded record per
     microbatch) to 1e-5."""
     monkeypatch.delenv("MEGATRON_LM_PATH", raising=False)
+    pytest.importorskip(
+        "datasets", reason="SFTDataset needs datasets: pip install -e .[megatron-lm]"
+    )
     from megatron_odc.integration.megatron_lm.sft_example import (
         write_chats_of_lengths,
         write_tokenizer,
