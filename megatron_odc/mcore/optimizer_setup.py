@@ -96,3 +96,18 @@ def schedule_differences(scheduler: OptimizerParamScheduler, saved: dict[str, An
             if text not in differences:
                 differences.append(text)
     return differences
+
+
+def group_lr_bounds(optimizer: Any) -> list[tuple[Any, Any]]:
+    """Each param group's ``max_lr`` / ``min_lr``: megatron-core's scheduler reads the peak and floor
+    from the groups first, and an optimizer load restores the checkpoint's (so a resume that lets the
+    flags' schedule win must put this run's back: :func:`set_group_lr_bounds`)."""
+    return [(group.get("max_lr"), group.get("min_lr")) for group in optimizer.param_groups]
+
+
+def set_group_lr_bounds(optimizer: Any, bounds: list[tuple[Any, Any]]) -> None:
+    """Put back what :func:`group_lr_bounds` returned (a group without a bound keeps its own)."""
+    for group, (max_lr, min_lr) in zip(optimizer.param_groups, bounds, strict=True):
+        for key, value in (("max_lr", max_lr), ("min_lr", min_lr)):
+            if value is not None:
+                group[key] = value

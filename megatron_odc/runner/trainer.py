@@ -390,7 +390,9 @@ class Trainer:
                 raise ValueError(f"--finetune: no checkpoint found in --load {args.load!r}")
             logger.warning("no checkpoint found in --load %s: training from scratch", args.load)
             return 0
-        built_lrs = _group_lr_bounds(self.optimizer)  # this run's, before the load replaces them
+        built_lrs = optimizer_setup.group_lr_bounds(
+            self.optimizer
+        )  # this run's, before the load replaces them
         iteration, extra = checkpoint.load_checkpoint(
             args.load,
             self.model,
@@ -407,7 +409,7 @@ class Trainer:
             )
             return 0
         if self._check_schedule(extra.get("scheduler"), iteration) == "flags":
-            _set_group_lr_bounds(self.optimizer, built_lrs)
+            optimizer_setup.set_group_lr_bounds(self.optimizer, built_lrs)
         checkpoint.restore_training_state(extra, self.data.sampler, self.scheduler)
         logger.info(
             "resumed from %s at iteration %d (%d consumed samples)",
@@ -505,19 +507,6 @@ def _fp8_settings(args: argparse.Namespace) -> FP8Settings | None:
     if args.fp8_format is None:
         return None
     return FP8Settings(args.fp8_format, args.fp8_recipe, args.fp8_param_gather)
-
-
-def _group_lr_bounds(optimizer: Any) -> list[tuple[Any, Any]]:
-    """Each param group's ``max_lr`` / ``min_lr``: megatron-core's scheduler reads the peak and floor
-    from the groups, and an optimizer load restores the checkpoint's."""
-    return [(group.get("max_lr"), group.get("min_lr")) for group in optimizer.param_groups]
-
-
-def _set_group_lr_bounds(optimizer: Any, bounds: list[tuple[Any, Any]]) -> None:
-    for group, (max_lr, min_lr) in zip(optimizer.param_groups, bounds, strict=True):
-        for key, value in (("max_lr", max_lr), ("min_lr", min_lr)):
-            if value is not None:
-                group[key] = value
 
 
 def _current_lr(optimizer: Any) -> float:

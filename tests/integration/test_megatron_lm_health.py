@@ -31,8 +31,8 @@ def _dead_peer_rank(rank: int, world_size: int, workdir: str) -> None:
     health.start_job(argparse.Namespace(save=str(save), distributed_timeout_minutes=1))
     assert (save / LOCK_FILENAME).is_file()
     # (the save wrapper also starts the checkpoint writer's manager, which daemonic ranks cannot)
-    phase = health.wrap_load_checkpoint(lambda: health._job.monitor._phase)()
-    assert phase == "load", phase
+    with health.phase("load"):
+        assert health._job.monitor._phase == "load"
     with health.phase("iteration", 3):
         if rank == 1:
             os.kill(os.getpid(), signal.SIGKILL)

@@ -1,4 +1,5 @@
-"""Megatron-LM's own torch_dist ``save_checkpoint`` / ``load_checkpoint`` for ODC chunks.
+"""Megatron-LM's own torch_dist ``save_checkpoint`` / ``load_checkpoint`` for ODC chunks, and what its
+``load_checkpoint`` does for every backend.
 
 Megatron-LM saves ``unwrap_model(model).sharded_state_dict(metadata=...)`` and
 ``optimizer.sharded_state_dict(...)``; it loads into the same and then calls
@@ -7,6 +8,13 @@ Megatron-LM saves ``unwrap_model(model).sharded_state_dict(metadata=...)`` and
 ODC's builders (``mcore/dist_ckpt/model_state.py``): the unwrapped module's ``sharded_state_dict``
 (owned-slice boxes) and the chunk's ``load_state_dict``. ``ODCOptimizer`` has its own
 ``sharded_state_dict`` / ``load_state_dict``. The on-disk layout is Megatron-LM's.
+
+:func:`wrap_load_checkpoint` (the patch point ``training.load_checkpoint``, every ``--dp-backend``)
+records the health phase ``load`` (``health.py``) and makes ``--override-opt_param-scheduler`` mean what
+Megatron-LM says: the flags' schedule. Megatron-LM's optimizer load restores the checkpoint's param
+groups, whose ``max_lr`` / ``min_lr`` megatron-core's scheduler reads before its own, so a resume with a
+new ``--lr`` and that flag kept the old peak on every backend (seen on ``core_v0.16.1``, DDP and ODC alike:
+``--lr 5e-4`` gave iteration 4 the old schedule's 4.109e-4); the groups now keep this run's bounds.
 """
 
 from __future__ import annotations
@@ -18,6 +26,8 @@ from typing import Any
 import torch
 from megatron.core.utils import unwrap_model
 
+from megatron_odc.integration.megatron_lm.health import phase
+from megatron_odc.mcore import optimizer_setup
 from megatron_odc.mcore.config import ODC_ENGINE_BACKENDS
 from megatron_odc.mcore.data_parallel import ODCDataParallel
 from megatron_odc.mcore.dist_ckpt.model_state import (
@@ -96,3 +106,24 @@ def wrap_build_sharded_state_dict_metadata(original: Callable[..., dict]) -> Cal
 
     build.__megatron_odc_original__ = original
     return build
+
+
+def wrap_load_checkpoint(original: Callable) -> Callable:
+    """``load_checkpoint(ddp_model, optimizer, opt_param_scheduler, ...)`` in the health phase ``load``;
+    with ``--override-opt_param-scheduler`` the optimizer's param groups keep this run's ``max_lr`` /
+    ``min_lr`` (see the module docstring)."""
+
+    @functools.wraps(original)
+    def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        from megatron.training.global_vars import get_args
+
+        optimizer = args[1] if len(args) > 1 else kwargs.get("optimizer")
+        built = optimizer_setup.group_lr_bounds(optimizer) if optimizer is not None else None
+        with phase("load"):
+            result = original(*args, **kwargs)
+        if built is not None and getattr(get_args(), "override_opt_param_scheduler", False):
+            optimizer_setup.set_group_lr_bounds(optimizer, built)
+        return result
+
+    load_checkpoint.__megatron_odc_original__ = original
+    return load_checkpoint

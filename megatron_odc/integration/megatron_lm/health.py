@@ -12,7 +12,8 @@ so the launcher and a patched source reach them through four names of ``megatron
 - ``save_checkpoint``: the phase ``save``, after making megatron-core's checkpoint-writer processes die
   with this rank (``mcore/dist_ckpt/writer_processes.py``: before, every save under Megatron-LM left a
   results-queue manager that printed a stack dump at exit);
-- ``load_checkpoint``: the phase ``load``.
+- ``load_checkpoint``: the phase ``load`` (its wrapper is ``checkpointing.wrap_load_checkpoint``, which
+  also keeps ``--override-opt_param-scheduler``'s schedule).
 
 When the script ends, the launcher calls :func:`end_job` (the last record says whether the rank
 finished; the lock is released), and for a failure :func:`failure_report` decides what the rank prints:
@@ -177,14 +178,3 @@ def wrap_save_checkpoint(original: Callable) -> Callable:
 
     save_checkpoint.__megatron_odc_original__ = original  # type: ignore[attr-defined]
     return save_checkpoint
-
-
-def wrap_load_checkpoint(original: Callable) -> Callable:
-    """``load_checkpoint`` in the phase ``load``."""
-
-    def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
-        with phase("load"):
-            return original(*args, **kwargs)
-
-    load_checkpoint.__megatron_odc_original__ = original  # type: ignore[attr-defined]
-    return load_checkpoint

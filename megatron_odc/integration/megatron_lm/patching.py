@@ -48,13 +48,13 @@ from megatron_odc.integration.megatron_lm.builders import (
 )
 from megatron_odc.integration.megatron_lm.checkpointing import (
     wrap_build_sharded_state_dict_metadata,
+    wrap_load_checkpoint,
 )
 from megatron_odc.integration.megatron_lm.cpu_shims import cpu_shims
 from megatron_odc.integration.megatron_lm.data import wrap_build_pretraining_data_loader
 from megatron_odc.integration.megatron_lm.flags import wrap_parse_args, wrap_validate_args
 from megatron_odc.integration.megatron_lm.health import (
     wrap_initialize_megatron,
-    wrap_load_checkpoint,
     wrap_save_checkpoint,
     wrap_train_step,
 )
