@@ -120,6 +120,24 @@ def _process_state(pid: int) -> str | None:
     return None
 
 
+_PF_EXITING = 0x4
+"""The kernel's per-task flag (``/proc/<pid>/stat`` field 9) set when a process starts to exit."""
+
+
+def _is_exiting(pid: int) -> bool:
+    """Whether ``pid`` (this host) has started to exit or is gone.
+
+    A killed launcher closes its sockets (the store's) while it exits, before its children are
+    reparented: under load that window was long enough for a heartbeat to write into the closed store
+    (a C++ ``Connection reset by peer`` trace). The exit flag is set before the sockets close.
+    """
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
+    except OSError:
+        return True
+    return fields[0] in ("Z", "X", "x") or bool(int(fields[6]) & _PF_EXITING)
+
+
 class HealthMonitor:
     """This rank's heartbeat, phase and watchdog over the job's store (see [Note: rank health]).
 
@@ -300,13 +318,17 @@ class HealthMonitor:
         """
         parent = os.getppid()
         if parent == self._launcher_pid:
-            return
+            if not _is_exiting(parent):
+                return
+            how = "it is exiting"
+        else:
+            how = f"the parent is now pid {parent}"
         logger.error(
-            "rank %d: its launcher (pid %d) is gone (the parent is now pid %d); ending this rank "
-            "at iteration %d (%s) instead of training on without it",
+            "rank %d: its launcher (pid %d) is gone (%s); ending this rank at iteration %d (%s) "
+            "instead of training on without it",
             self.rank,
             self._launcher_pid,
-            parent,
+            how,
             self._iteration,
             self._phase,
         )
