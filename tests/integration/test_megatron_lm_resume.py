@@ -24,6 +24,11 @@ from tests._megatron_lm import E2E_ARGS, MEGATRON_LM_PATH_ENV, REPO_ROOT
 _LR_RE = re.compile(r"iteration\s+(\d+)/.*?learning rate: ([0-9.E+-]+)")
 
 
+_GROUP_KEY_REFUSAL = "Could not find parameter group with key"
+"""megatron-core 0.19's optimizer load matches param groups by a key that holds their max_lr: its own
+optimizers refuse a resume with a new ``--lr`` (ODC's optimizer keeps its groups)."""
+
+
 def _learning_rates(megatron_lm_path: Path, cwd: Path, *flags: str) -> dict[int, float]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -38,6 +43,8 @@ def _learning_rates(megatron_lm_path: Path, cwd: Path, *flags: str) -> dict[int,
         [*command, *E2E_ARGS, *flags], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
     )
     log = proc.stdout + proc.stderr
+    if proc.returncode != 0 and _GROUP_KEY_REFUSAL in log and "--dp-backend ddp" in " ".join(flags):
+        pytest.skip(f"this tag's own DDP optimizer refuses the new --lr ({_GROUP_KEY_REFUSAL} ...)")
     assert proc.returncode == 0, log[-4000:]
     return {int(i): float(v) for i, v in _LR_RE.findall(log)}
 
