@@ -286,7 +286,7 @@ def _runnable(script: Path):
         marks.append(
             pytest.mark.skipif(
                 not os.environ.get("MEGATRON_LM_PATH"),
-                reason="needs Megatron-LM: set MEGATRON_LM_PATH to a core_v0.16.1 checkout",
+                reason="needs Megatron-LM: set MEGATRON_LM_PATH to a checkout of a supported tag",
             )
         )
     return pytest.param(script, id=script.stem, marks=marks)
