@@ -105,6 +105,7 @@ def test_missing_triton_or_device_library_is_refused_naming_the_flag(monkeypatch
         with pytest.raises(ValueError, match=refusal):
             load_device_ops()
     try:
+        import triton  # noqa: F401 - torch's _nvshmem_triton imports without it
         from torch.distributed._symmetric_memory import _nvshmem_triton
     except ImportError:  # no Triton here: the case above is this PyTorch's own
         return
