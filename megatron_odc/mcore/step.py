@@ -66,27 +66,19 @@ def forward_backward(
         raise ValueError(f"num_microbatches must be an integer >= 0, got {num_microbatches!r}")
     if num_microbatches < 0:
         raise ValueError(f"num_microbatches must be >= 0, got {num_microbatches}")
-    schedule = get_forward_backward_func()
-    if kwargs.get("forward_only", False):
-        if num_microbatches == 0:
+    count = int(num_microbatches)
+    if not kwargs.get("forward_only", False):
+        agree_pipeline_count(count)
+        if count == 0:
+            finalize_without_microbatches(model if isinstance(model, list) else [model])
             return []
-        return schedule(
-            forward_step_func=forward_step_func,
-            data_iterator=data_iterator,
-            model=model,
-            num_microbatches=num_microbatches,
-            **kwargs,
-        )
-    agree_pipeline_count(int(num_microbatches))
-    chunks = model if isinstance(model, list) else [model]
-    if num_microbatches == 0:
-        finalize_without_microbatches(chunks)
+    elif count == 0:
         return []
-    return schedule(
+    return get_forward_backward_func()(
         forward_step_func=forward_step_func,
         data_iterator=data_iterator,
         model=model,
-        num_microbatches=int(num_microbatches),
+        num_microbatches=count,
         **kwargs,
     )
 
