@@ -164,13 +164,12 @@ class MetricsWriter:
                 figures.max_microbatches,
                 figures.plan_ahead_ms_max,
                 figures.plan_wait_ms_max,
-                None,
+                figures.telemetry,
             ),
             "skipped-iterations": figures.num_skipped,
         }
         if figures.loss_scale is not None:
             scalars["loss-scale"] = figures.loss_scale
-        scalars.update(odc_scalars(None, None, None, None, figures.telemetry))
         for tag, value in scalars.items():
             self._scalar(tag, value, iteration)
         if self.tensorboard is not None:
