@@ -4,8 +4,9 @@
 Shows: a verl-style GRPO update driven by its own loop (``megatron_odc/mcore/rl/``, docs/rl.md): a
 small megatron-core GPT policy and a frozen reference, synthetic prompts whose rollout lengths are drawn
 from the shipped long-tailed agent / SWE-style profile (``agent_rl`` in
-``megatron_odc/balance/length_profiles.json``, divided by the settings' length scale), group-relative advantages, a KL term to the reference (k3 estimator),
-the loss contract ``token-loss sum x local n x DP / global tokens``. Three backends train on the same
+``megatron_odc/balance/length_profiles.json``, divided by the settings' length scale), packed
+microbatches whose samples attend only within themselves (THD ``cu_seqlens``), group-relative
+advantages, a KL term to the reference (k3 estimator), the loss contract ``token-loss sum x local n x DP / global tokens``. Three backends train on the same
 rollouts, interleaved step by step:
 
 - ``odc``: ODC with the LB-Mini plan (uneven microbatch counts per rank, 0 allowed), reference under ODC
@@ -16,16 +17,17 @@ rollouts, interleaved step by step:
 - ``fsdp2``: PyTorch FSDP2 (``fully_shard`` per layer and the root) with the best equal-count plan
   (LB-Micro), reference under FSDP2 too.
 
-Each prints its per-step loss, grad norm and step time (max over ranks, from a barrier to the end of the
-optimizer step); the last line gives the measured speedups of ODC (ratios of the median timed step) and
-the cost model's predicted ones (ratios of the summed planned step costs)
-(``CostModel.from_model_config``: ODC and DDP = the slowest rank's cost, FSDP2 = the lockstep sum over
-microbatch indices of the slowest rank's microbatch; communication, copies and the packed attention's
-``(sum s)^2`` are not modelled).
+The plans use a cost model measured on this machine first (``mcore/cost_probe.py``: one-sample
+microbatches timed, ``a * s**2 + b * s`` per sample plus a fixed cost per microbatch, which LB-Mini
+counts). Each backend prints its per-step loss, grad norm and step time (max over ranks, from a barrier
+to the end of the optimizer step); the last line gives ODC's measured speedups (ratios of the timed
+steps' totals) and the measured cost model's predicted ones for the same plans (ODC and DDP: the
+slowest rank's microbatches, DDP's padding included; FSDP2: the lockstep sum over microbatch indices
+of the slowest rank's microbatch; communication and parameter copies are not modelled).
 Needs: cpu
 Takes: about 60 s on 2 CPU cores (--tiny: about 25 s)
 
-Run: ``python examples/grpo_cpu.py [--tiny] [--dp 2] [--steps 4]``.
+Run: ``python examples/grpo_cpu.py [--tiny] [--dp 2] [--steps 12] [--odc-unsharded-budget all]``.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import math
 import os
 import random
 import statistics
@@ -79,10 +82,12 @@ class Settings:
     group_size: int
     steps: int
     warmup: int
+    unsharded_budget: str = "none"
+    """ODC's ``--odc-unsharded-budget`` for the policy (``none``: ZeRO-3, fetch per use)."""
 
 
-FULL = Settings(4, 128, 512, 256, 128, 2, 8, 8, 1)
-TINY = Settings(2, 64, 128, 128, 512, 2, 4, 2, 1)
+FULL = Settings(4, 128, 512, 256, 32, 2, 8, 12, 1)
+TINY = Settings(2, 64, 128, 128, 256, 2, 4, 2, 1)
 
 
 # ---------------------------------------------------------------------- rollouts (same on every rank)
@@ -110,6 +115,8 @@ def rollouts(settings: Settings, step: int, lengths_pool: list[int]) -> dict:
 
 def microbatch(batch: dict, sample_ids: tuple[int, ...]) -> dict:
     """One packed microbatch of ``sample_ids`` (an empty tuple: a padding microbatch without loss)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
     from megatron_odc.data.packing import pack_microbatch
     from megatron_odc.data.sft import SFTSample
 
@@ -122,19 +129,38 @@ def microbatch(batch: dict, sample_ids: tuple[int, ...]) -> dict:
     packed = pack_microbatch(samples, pad_to=None if samples else PADDING_TOKENS, pad_id=PAD_ID)
     advantage = torch.tensor([batch["advantages"][sid] for sid in sample_ids] + [0.0])
     segments = packed.segment_ids()
+    cu_seqlens = packed.cu_seqlens.to(torch.int32)
     return {
         "tokens": packed.tokens,
         "labels": packed.labels,
         "position_ids": packed.position_ids,
-        "attention_mask": packed.attention_mask(),
+        "packed_seq_params": PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu_seqlens,
+            cu_seqlens_kv=cu_seqlens,
+            max_seqlen_q=packed.max_seqlen,
+            max_seqlen_kv=packed.max_seqlen,
+        ),
         "loss_mask": packed.loss_mask,
         "advantage": advantage[segments.clamp(max=advantage.numel() - 1)].view(1, -1),
     }
 
 
+def token_losses(model, mb: dict) -> torch.Tensor:
+    """The per-token cross entropy megatron's GPT returns given labels; the packed samples attend
+    only within themselves (THD ``cu_seqlens``: on CPU the local attention runs each alone)."""
+    return model(
+        mb["tokens"],
+        mb["position_ids"],
+        None,
+        labels=mb["labels"],
+        packed_seq_params=mb["packed_seq_params"],
+    )
+
+
 def token_logprobs(model, mb: dict) -> torch.Tensor:
-    """log p(label) per token: megatron's GPT returns the per-token cross entropy given labels."""
-    return -model(mb["tokens"], mb["position_ids"], mb["attention_mask"], labels=mb["labels"])
+    """log p(label) per token."""
+    return -token_losses(model, mb)
 
 
 def grpo_token_loss(logp: torch.Tensor, ref_logp: torch.Tensor, advantage: torch.Tensor):
@@ -157,22 +183,17 @@ def verl_loss(mb: dict, ref_logp: torch.Tensor, scale: float, output: torch.Tens
 def verl_forward_step(mbs: list, refs: list, scale: float, data_iterator, model):
     index = next(data_iterator)
     mb = mbs[index]
-    output = model(mb["tokens"], mb["position_ids"], mb["attention_mask"], labels=mb["labels"])
-    return output, functools.partial(verl_loss, mb, refs[index], scale)
+    return token_losses(model, mb), functools.partial(verl_loss, mb, refs[index], scale)
 
 
 # ---------------------------------------------------------------------- the three backends
 
 
-def build(backend: str, settings: Settings, seq_length: int):
-    """``(policy, optimizer, reference)`` of ``backend`` from the same seed."""
-    from megatron.core.optimizer import OptimizerConfig
+def gpt_config(settings: Settings, seq_length: int):
+    """The policy's (and the reference's) shape."""
+    from megatron_odc.mcore.model import GPTConfig
 
-    from megatron_odc.mcore.model import GPTConfig, build_gpt_model
-    from megatron_odc.mcore.rl.loop import build_rl_backend
-    from megatron_odc.mcore.rl.reference import build_reference
-
-    cfg = GPTConfig(
+    return GPTConfig(
         num_layers=settings.num_layers,
         hidden_size=settings.hidden_size,
         num_attention_heads=4,
@@ -181,10 +202,74 @@ def build(backend: str, settings: Settings, seq_length: int):
         seq_length=seq_length,
         calculate_per_token_loss=False,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class MeasuredCost:
+    """The cost model fitted to this machine's timings (seconds) and its fixed cost per microbatch."""
+
+    cost_model: object
+    microbatch_s: float
+    line: str
+
+
+def measured_cost(settings: Settings, longest: int) -> MeasuredCost:
+    """Times one-sample microbatches up to ``longest`` tokens on a fresh policy-shaped GPT (every
+    rank, averaged) and fits ``a * s**2 + b * s`` per sample plus a fixed cost per microbatch."""
+    from megatron_odc.balance import CostModel
+    from megatron_odc.mcore.cost_probe import probe_lengths, time_microbatches
+    from megatron_odc.mcore.model import build_gpt_model
+
+    lengths = probe_lengths(longest)
+    model = build_gpt_model(gpt_config(settings, longest), seed=7)
+    seconds = time_microbatches(model, lengths, vocab_size=settings.vocab_size)
+    cost_model, microbatch_s = CostModel.fit(lengths, seconds)
+    probes = ", ".join(f"{s}: {t * 1e3:.1f} ms" for s, t in zip(lengths, seconds, strict=True))
+    line = (
+        f"a={cost_model.a:.3g} s/token^2, b={cost_model.b:.3g} s/token, "
+        f"{microbatch_s * 1e3:.1f} ms per microbatch (forward+backward of {probes})"
+    )
+    return MeasuredCost(cost_model, microbatch_s, line)
+
+
+def predicted_seconds(backend: str, plan, measured) -> float:
+    """The step time the measured cost model predicts for ``backend`` running ``plan`` (compute only:
+    no communication or parameter copies): ODC, the slowest rank's microbatches; DDP, the same with
+    every rank padded to the largest count by empty microbatches of :data:`PADDING_TOKENS`; FSDP2,
+    the lockstep sum over microbatch indices of the slowest rank's microbatch."""
+    each = measured.microbatch_s
+    counts = plan.num_microbatches()
+    if backend == "fsdp2":
+        return plan.lockstep_time() + each * max(counts)
+    if backend == "odc":
+        return max(c + each * n for c, n in zip(plan.rank_costs(), counts, strict=True))
+    padding = measured.cost_model.sample_cost(PADDING_TOKENS) + each
+    return max(
+        c + each * n + padding * (max(counts) - n)
+        for c, n in zip(plan.rank_costs(), counts, strict=True)
+    )
+
+
+def build(backend: str, settings: Settings, seq_length: int):
+    """``(policy, optimizer, reference)`` of ``backend`` from the same seed."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    from megatron_odc.mcore.config import ODCConfig
+    from megatron_odc.mcore.model import build_gpt_model
+    from megatron_odc.mcore.rl.loop import build_rl_backend
+    from megatron_odc.mcore.rl.reference import build_reference
+
+    cfg = gpt_config(settings, seq_length)
     optimizer_config = OptimizerConfig(optimizer="adam", lr=1e-4, weight_decay=0.01, clip_grad=1.0)
     if backend in ("odc", "ddp"):
         policy, optimizer = build_rl_backend(
-            backend, build_gpt_model(cfg, seed=7), optimizer_config, loss_contract="global_tokens"
+            backend,
+            build_gpt_model(cfg, seed=7),
+            optimizer_config,
+            loss_contract="global_tokens",
+            odc_config=ODCConfig(unsharded_budget=settings.unsharded_budget)
+            if backend == "odc"
+            else None,
         )
         reference = build_gpt_model(cfg, seed=7)
         if backend == "odc":
@@ -220,10 +305,7 @@ def train_step(
         loss_sum = 0.0
         for i, mb in enumerate(mbs):
             policy.set_requires_gradient_sync(i == n - 1)
-            output = policy(
-                mb["tokens"], mb["position_ids"], mb["attention_mask"], labels=mb["labels"]
-            )
-            loss, report = verl_loss(mb, refs[i], 1.0 / global_tokens, output)
+            loss, report = verl_loss(mb, refs[i], 1.0 / global_tokens, token_losses(policy, mb))
             loss.backward()
             loss_sum += float(report["loss"][0])
         norm = torch.nn.utils.clip_grad_norm_(list(policy.parameters()), 1.0)
@@ -256,25 +338,22 @@ def rank_main(rank: int, world_size: int, settings: Settings, store_path: str) -
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-    from megatron_odc.balance import CostModel, make_plan
+    from megatron_odc.balance import make_plan
     from megatron_odc.balance.profiles import load_profile_lengths
     from megatron_odc.integration.cpu import cpu_runtime
     from megatron_odc.mcore.parallel import model_parallel
 
     pool = load_profile_lengths(PROFILE)
-    cap = max(pool) // settings.length_scale // CAP_DIVISOR
-    cost = CostModel.from_model_config(
-        num_layers=settings.num_layers,
-        hidden_size=settings.hidden_size,
-        ffn_hidden_size=settings.ffn_hidden_size,
-        num_attention_heads=4,
-        vocab_size=settings.vocab_size,
-    )
+    longest = max(pool) // settings.length_scale
+    cap = longest // CAP_DIVISOR
     with cpu_runtime(), model_parallel(1) as coords:
         dp_rank, dp_size = coords.dp_rank, coords.dp_size
-        built = {b: build(b, settings, max(pool) // settings.length_scale) for b in BACKENDS}
+        measured = measured_cost(settings, longest)
+        if dp_rank == 0:
+            print(f"cost model measured on this machine: {measured.line}")
+        built = {b: build(b, settings, longest) for b in BACKENDS}
         rows: dict = {b: [] for b in BACKENDS}
-        predicted = {"odc": 0.0, "ddp": 0.0, "fsdp2": 0.0}
+        predicted = dict.fromkeys(BACKENDS, 0.0)
         for step in range(settings.warmup + settings.steps):
             batch = rollouts(settings, step, pool)
             ids = list(range(len(batch["lengths"])))
@@ -285,16 +364,16 @@ def rank_main(rank: int, world_size: int, settings: Settings, store_path: str) -
                     batch["lengths"],
                     dp_size,
                     cap_tokens=cap,
-                    cost_model=cost,
+                    cost_model=measured.cost_model,
+                    microbatch_overhead=measured.microbatch_s,
                     too_long="alone",
                 )
                 for backend, kind in PLAN_OF.items()
             }
             timed = step >= settings.warmup
             if timed:
-                predicted["odc"] += max(plans["odc"].rank_costs())
-                predicted["ddp"] += max(plans["ddp"].rank_costs())  # padding: no tokens
-                predicted["fsdp2"] += plans["fsdp2"].lockstep_time()
+                for backend in BACKENDS:
+                    predicted[backend] += predicted_seconds(backend, plans[backend], measured)
             global_tokens = sum(n - PROMPT_TOKENS for n in batch["lengths"])
             for backend in BACKENDS:
                 policy, optimizer, reference = built[backend]
@@ -339,13 +418,14 @@ def report(rows: dict, predicted: dict, settings: Settings, dp_size: int) -> Non
                 f"{names[backend]:<12} step {step}: loss {loss:.6f} grad norm {norm:.6f} "
                 f"step time {seconds:.3f} s microbatches per rank {counts}"
             )
-    # Medians of the timed steps: a shared machine's stalls hit single steps of any backend.
-    times = {b: statistics.median(r[3] for r in rows[b] if r[5]) for b in BACKENDS}
+    # Totals of the timed steps, as the predictions sum the same steps' planned costs.
+    times = {b: math.fsum(r[3] for r in rows[b] if r[5]) for b in BACKENDS}
     print(
-        f"measured ODC+LB-Mini speedup (median step): {times['ddp'] / times['odc']:.2f}x vs DDP padded, "
-        f"{times['fsdp2'] / times['odc']:.2f}x vs FSDP2 equal counts; cost model predicts "
+        f"measured ODC+LB-Mini speedup (timed steps' total): {times['ddp'] / times['odc']:.2f}x vs "
+        f"DDP padded, {times['fsdp2'] / times['odc']:.2f}x vs FSDP2 equal counts; cost model predicts "
         f"{predicted['ddp'] / predicted['odc']:.2f}x vs DDP padded, "
-        f"{predicted['fsdp2'] / predicted['odc']:.2f}x vs FSDP2 (lockstep, no communication)"
+        f"{predicted['fsdp2'] / predicted['odc']:.2f}x vs FSDP2 (measured cost model, no "
+        "communication or copies)"
     )
 
 
@@ -354,10 +434,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="a tiny model and run (seconds)")
     parser.add_argument("--dp", type=int, default=2, help="CPU ranks (DP size)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps")
+    parser.add_argument(
+        "--odc-unsharded-budget",
+        default="none",
+        help="ODC's budget of units kept unsharded for the minibatch (none, all or a size)",
+    )
     args = parser.parse_args(argv)
     if args.dp < 1:
         parser.error(f"--dp must be >= 1, got {args.dp}")
-    settings = TINY if args.tiny else FULL
+    settings = dataclasses.replace(
+        TINY if args.tiny else FULL, unsharded_budget=args.odc_unsharded_budget
+    )
     if args.steps is not None:
         if args.steps < 1:
             parser.error(f"--steps must be >= 1, got {args.steps}")

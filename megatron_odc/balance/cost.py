@@ -24,11 +24,24 @@ A causal sample of ``s`` tokens has ``s * (s + 1) / 2`` visible pairs; the model
 remainder is below 1e-4 of ``b * s``). Softmax, norms, rotary embeddings and the loss are elementwise and
 ignored. Samples packed into one microbatch do not attend to each other (block-diagonal mask / THD), so a
 microbatch costs the sum of its samples' costs.
+
+[Note: measured cost model]
+The FLOP model holds where attention runs as a compute-bound kernel (FlashAttention, TransformerEngine's
+THD). Elsewhere the quadratic term costs far more than its FLOPs: the local attention materialises the
+``s x s`` scores and runs softmax and masking over them, memory-bound. On 2 CPU cores (4 layers x 128,
+fp32) a measured fit gives ``a / b`` about 40x the FLOP model's, and a microbatch of 32 tokens takes
+2.5x its FLOP share (a fixed cost per microbatch: kernel launches, Python, parameter fetches). A plan
+balanced under the FLOP model then gives the rank with the long samples far more time than it predicts.
+:meth:`CostModel.fit` fits ``seconds = a * s**2 + b * s + c`` to timings of single samples (the
+forward and backward of one microbatch of ``s`` tokens, ``mcore/cost_probe.py`` measures them) by least
+squares on relative errors, with ``a, b, c >= 0``; ``c`` is the fixed cost of a microbatch, returned
+beside the model (a plan adds it per microbatch where counts differ).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 __all__ = ["CostModel"]
@@ -122,6 +135,70 @@ class CostModel:
         return cls(a=a, b=b)
 
     @classmethod
+    def fit(cls, lengths: Sequence[int], seconds: Sequence[float]) -> tuple[CostModel, float]:
+        """Fits ``seconds = a * s**2 + b * s + c`` to measured single-sample microbatches (see
+        [Note: measured cost model]): least squares on relative errors, every coefficient ``>= 0``
+        (a negative one is dropped and the rest refitted).
+
+        Args:
+            lengths: tokens of each measured microbatch (at least 3 distinct positive values).
+            seconds: its measured forward and backward time, aligned with ``lengths``.
+
+        Returns:
+            ``(model, c)``: the model in seconds, and the fixed seconds of one microbatch.
+
+        Raises:
+            ValueError: too few distinct lengths, a length or time that is not positive, or no
+                term left positive (the timings do not grow with the length).
+        """
+        if len(lengths) != len(seconds):
+            raise ValueError(f"{len(lengths)} lengths but {len(seconds)} timings")
+        if len({int(s) for s in lengths}) < 3:
+            raise ValueError(
+                f"fitting a*s^2+b*s+c needs 3 distinct lengths, got {sorted(set(lengths))}"
+            )
+        bad = [(s, t) for s, t in zip(lengths, seconds, strict=True) if s <= 0 or not t > 0]
+        if bad:
+            raise ValueError(f"lengths and timings must be positive, got (length, seconds) {bad}")
+        # Relative errors: row (s^2, s, 1) / t against the target 1.
+        rows = [[s * s / t, s / t, 1.0 / t] for s, t in zip(lengths, seconds, strict=True)]
+        terms = [0, 1, 2]
+        while terms:
+            coef = _least_squares([[row[j] for j in terms] for row in rows])
+            if all(c >= 0 for c in coef):
+                full = dict.fromkeys(range(3), 0.0) | dict(zip(terms, coef, strict=True))
+                if full[0] == 0 and full[1] == 0:
+                    break
+                return cls(a=full[0], b=full[1]), full[2]
+            terms = [j for j, c in zip(terms, coef, strict=True) if c > 0]
+        raise ValueError(
+            f"timings {list(zip(lengths, seconds, strict=True))} do not grow with the length: no cost "
+            "model a*s^2+b*s fits them (measure longer samples)"
+        )
+
+    @classmethod
     def tokens(cls) -> CostModel:
         """Returns the plain token-count model (``a = 0``, ``b = 1``)."""
         return cls(a=0.0, b=1.0)
+
+
+def _least_squares(rows: list[list[float]]) -> list[float]:
+    """Coefficients x minimising ``sum((row . x - 1)**2)`` (normal equations, Gaussian elimination
+    with partial pivoting; at most 3 unknowns, so no numerical library is needed)."""
+    n = len(rows[0])
+    gram = [[math.fsum(r[i] * r[j] for r in rows) for j in range(n)] for i in range(n)]
+    rhs = [math.fsum(r[i] for r in rows) for i in range(n)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda i: abs(gram[i][col]))
+        gram[col], gram[pivot] = gram[pivot], gram[col]
+        rhs[col], rhs[pivot] = rhs[pivot], rhs[col]
+        if gram[col][col] == 0:
+            raise ValueError("the timings' lengths do not determine a*s^2+b*s+c (degenerate fit)")
+        for i in range(col + 1, n):
+            factor = gram[i][col] / gram[col][col]
+            gram[i] = [g - factor * p for g, p in zip(gram[i], gram[col], strict=True)]
+            rhs[i] -= factor * rhs[col]
+    x = [0.0] * n
+    for i in reversed(range(n)):
+        x[i] = (rhs[i] - math.fsum(gram[i][j] * x[j] for j in range(i + 1, n))) / gram[i][i]
+    return x

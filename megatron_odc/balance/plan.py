@@ -22,7 +22,16 @@ microbatches, so the token cap's fewest microbatches are no longer the best choi
 - ``lb_micro``: the same per-replica count M for every replica, tried from the smallest that fits upward the
   same way, scored by the lockstep 1F1B time of the per-index max over replicas.
 - ``local_sort`` and ``round_robin`` do not change.
-With ``p = 1`` nothing of this runs: every plan is bit-identical to a plan made without the option.
+With ``p = 1`` nothing of this runs: every plan is bit-identical to a plan made without the option, unless a
+``microbatch_overhead`` is given ([Note: microbatch overhead]).
+
+[Note: microbatch overhead]
+Without pipelines LB-Mini balances the samples' costs, so a rank of one long sample and a rank of seven short
+ones get the same share, although the second pays the fixed cost of a microbatch (kernel launches, Python,
+parameter fetches) seven times. With ``microbatch_overhead > 0`` (``p = 1``) each rank's time is the sum of
+its microbatches' costs plus the overhead per microbatch, and LB-Mini moves samples from the slowest rank to
+the fastest as for pipelines (each rank's count is its packing's, at least the token cap's FFD count). A
+measured cost model (``CostModel.fit``) gives the overhead; with 0 the plans are as before.
 
 [Note: bubble rates]. Pure Python; imports neither torch nor megatron.
 
@@ -300,7 +309,8 @@ def make_plan(
             ``lb_mini`` / ``lb_micro`` choose the microbatches that minimise the modelled 1F1B time
             (see [Note: pipelines]). With 1 (the default) every plan is what it was without the option.
         microbatch_overhead: fixed cost per microbatch, in cost units, that the pipeline model adds
-            (kernel launches, stage-to-stage sends); used only with ``pipeline_stages > 1``.
+            (kernel launches, stage-to-stage sends); used with ``pipeline_stages > 1``, and by ``lb_mini``
+            without pipelines (see [Note: microbatch overhead]).
         microbatch_floor: least cost of a microbatch in the pipeline model (the parameter fetches a
             microbatch pays whatever its size); used only with ``pipeline_stages > 1``.
 
@@ -480,7 +490,7 @@ def _pack_rank(
 
 def _plan_lb_mini(costs, tokens, dp_size, cap_tokens, oversize, pipeline) -> list[list[list[int]]]:
     parts = balanced_partition(costs, dp_size, rel_tol=BALANCE_TOLERANCE)
-    if pipeline.stages > 1:
+    if pipeline.stages > 1 or pipeline.microbatch_overhead > 0:  # [Note: microbatch overhead]
         return _balance_replicas(costs, tokens, parts, cap_tokens, oversize, pipeline)
     return [_pack_rank(costs, tokens, part, cap_tokens, oversize) for part in parts]
 

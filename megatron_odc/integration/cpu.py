@@ -37,8 +37,11 @@ What each patch is for (the facts behind them: docs/architecture.md, section 3):
    each segment of ``cu_seqlens`` of the packed ``[t, heads, dim]`` query, key and value alone (as a
    ``[s, 1, heads, dim]`` batch) and concatenates the outputs to ``[t, heads * dim]``, as TE returns:
    the block-diagonal causal attention TransformerEngine's THD kernels compute, at their cost
-   (``sum(s_i**2)``, not the ``t**2`` of a dense block-diagonal mask). Without packed parameters the
-   original runs unchanged.
+   (``sum(s_i**2)``, not the ``t**2`` of a dense block-diagonal mask). In fp32 without attention
+   dropout, window or softmax offset, each segment runs as one fused ``scaled_dot_product_attention``
+   instead of the original (the same maths; it never holds the ``s x s`` scores, so a 2,000-token
+   segment takes about a quarter of the time on CPU and costs about its FLOPs). Without packed
+   parameters the original runs unchanged.
 
 [Note: device-remap mode is per thread].
 4. ``torch.Tensor.cuda`` / ``torch.nn.Module.cuda`` -> identity (return ``self``): ``tensor_parallel.
@@ -327,6 +330,40 @@ class CpuPatches:
         self.revert()
 
 
+def _sdpa_segments_apply(attention: Any, query: torch.Tensor, attention_bias: Any) -> bool:
+    """Whether a packed segment may run as one ``scaled_dot_product_attention`` call instead of the
+    local attention's unfused baddbmm / masked softmax / bmm (shim 9): the same maths when the
+    inputs are fp32 (no fp16 / bf16 softmax-in-fp32 rule to follow), with no attention dropout in
+    training (its mask comes from Megatron's RNG tracker), no sliding window, no softmax offset
+    and no bias. On CPU the fused kernel never holds the ``s x s`` scores, so a segment costs about
+    its FLOPs and no per-call mask building ([Note: measured cost model] in ``balance/cost.py``)."""
+    dropout = attention.attention_dropout.p if attention.training else 0.0
+    return (
+        query.dtype == torch.float32
+        and dropout == 0.0
+        and attention_bias is None
+        and getattr(attention, "softmax_offset", None) is None
+        and getattr(attention.scale_mask_softmax, "window_size", None) is None
+    )
+
+
+def _causal_sdpa(
+    attention: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> torch.Tensor:
+    """Causal attention of one segment, ``[s, 1, heads, dim]`` in, ``[s, 1, heads * dim]`` out, as
+    ``DotProductAttention.forward`` computes it (grouped keys repeated, its softmax scale)."""
+    groups = attention.num_attention_heads_per_partition // attention.num_query_groups_per_partition
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=2)
+        value = value.repeat_interleave(groups, dim=2)
+    scale = attention.softmax_scale
+    if attention.config.apply_query_key_layer_scaling:
+        scale *= attention.layer_number  # the local softmax multiplies its coefficient back
+    q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [1, heads, s, dim]
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    return out.permute(2, 0, 1, 3).reshape(query.shape[0], 1, -1)
+
+
 def packed_attention_forward(original: Callable) -> Callable:
     """``DotProductAttention.forward`` that also takes THD packed sequences (shim 9)."""
 
@@ -360,18 +397,15 @@ def packed_attention_forward(original: Callable) -> Callable:
             raise ValueError(
                 f"cu_seqlens cover {bounds[-1]} tokens, the packed query has {query.shape[0]}"
             )
+        fast = _sdpa_segments_apply(self, query, attention_bias)
         outs = []
         for start, end in itertools.pairwise(bounds):
             if end > start:  # repeated boundaries (right-padded cu_seqlens) are empty segments
-                out = original(
-                    self,
-                    query[start:end].unsqueeze(1),
-                    key[start:end].unsqueeze(1),
-                    value[start:end].unsqueeze(1),
-                    None,
-                    attn_mask_type,
-                    attention_bias,
-                )
+                q, k, v = (x[start:end].unsqueeze(1) for x in (query, key, value))
+                if fast:
+                    out = _causal_sdpa(self, q, k, v)
+                else:
+                    out = original(self, q, k, v, None, attn_mask_type, attention_bias)
                 outs.append(out.reshape(end - start, -1))
         return torch.cat(outs)
 

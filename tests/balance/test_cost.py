@@ -136,3 +136,40 @@ def test_errors():
         CostModel.from_model_config(
             num_layers=1, hidden_size=10, ffn_hidden_size=8, num_attention_heads=3, vocab_size=8
         )
+
+
+def test_fit_recovers_the_coefficients_of_exact_timings() -> None:
+    lengths = [32, 64, 128, 256, 512, 1024]
+    truth, fixed = CostModel(a=3e-7, b=5e-5), 0.015
+    seconds = [truth.sample_cost(s) + fixed for s in lengths]
+    model, microbatch_s = CostModel.fit(lengths, seconds)
+    assert model.a == pytest.approx(truth.a, rel=1e-9)
+    assert model.b == pytest.approx(truth.b, rel=1e-9)
+    assert microbatch_s == pytest.approx(fixed, rel=1e-9)
+
+
+def test_fit_drops_a_negative_term_and_refits_the_rest() -> None:
+    # Linear timings with a small dip at the long end: the free fit's quadratic term is negative.
+    lengths = [100, 200, 400, 800]
+    seconds = [0.01 + 1e-4 * s for s in lengths]
+    seconds[-1] *= 0.97
+    model, microbatch_s = CostModel.fit(lengths, seconds)
+    assert model.a == 0.0
+    assert model.b > 0
+    assert microbatch_s >= 0
+    errors = [(model.sample_cost(s) + microbatch_s) / t - 1 for s, t in zip(lengths, seconds)]
+    assert max(abs(e) for e in errors) < 0.05
+
+
+@pytest.mark.parametrize(
+    ("lengths", "seconds", "match"),
+    [
+        ([10, 10, 20], [1.0, 1.0, 2.0], "3 distinct lengths"),
+        ([10, 20, 40], [0.0, 1.0, 2.0], "must be positive"),
+        ([10, 20, 40], [3.0, 3.0, 3.0], "do not grow with the length"),
+        ([10, 20], [1.0], "2 lengths but 1 timings"),
+    ],
+)
+def test_fit_refuses_timings_it_cannot_use(lengths, seconds, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        CostModel.fit(lengths, seconds)

@@ -86,6 +86,30 @@ def test_lb_mini_matches_balanced_partition_and_ffd_counts():
             assert plan.num_microbatches()[r] == len(first_fit_decreasing(rank_lengths, cap))
 
 
+def test_lb_mini_counts_a_microbatch_overhead_without_pipelines():
+    # One long sample against many short ones of the same total cost: without the overhead the
+    # short ones' rank pays it once per microbatch on top of its share; with it, LB-Mini moves work.
+    lengths = [1000] + [100] * 8 + [60] * 6
+    ids = list(range(len(lengths)))
+    cost = CostModel(a=0.0, b=1.0)
+    overhead = 150.0
+
+    def slowest(plan):
+        return max(
+            c + overhead * n
+            for c, n in zip(plan.rank_costs(), plan.num_microbatches(), strict=True)
+        )
+
+    args = {"cap_tokens": 200, "cost_model": cost, "too_long": "alone"}
+    plain = make_plan("lb_mini", ids, lengths, 2, **args)
+    aware = make_plan("lb_mini", ids, lengths, 2, **args, microbatch_overhead=overhead)
+    _check_plan(aware, ids, lengths, 200, "alone")
+    assert slowest(aware) < slowest(plain) * 0.95, (plain.microbatches, aware.microbatches)
+    # With no overhead the option changes nothing.
+    again = make_plan("lb_mini", ids, lengths, 2, **args, microbatch_overhead=0.0)
+    assert again.microbatches == plain.microbatches
+
+
 def test_lb_micro_count_bounds_and_round_order():
     rng = random.Random(3)
     for _ in range(30):

@@ -1,0 +1,108 @@
+"""Timing a megatron-core GPT's microbatches on this machine, for a measured balancing cost model.
+
+Owns :func:`time_microbatches` (the forward and backward of one-sample microbatches of a few lengths,
+averaged over the ranks so that every rank holds the same numbers) and :func:`probe_lengths`. The
+caller fits them with ``balance.CostModel.fit`` (this layer does not import the planner); why a
+measured model at all: [Note: measured cost model] in ``balance/cost.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["probe_lengths", "time_microbatches"]
+
+SHORTEST_PROBE = 32
+"""Tokens of the shortest probed microbatch: shorter ones measure only the fixed cost."""
+
+
+def probe_lengths(longest: int, points: int = 6) -> list[int]:
+    """``points`` lengths from :data:`SHORTEST_PROBE` to ``longest`` tokens, evenly spaced in log."""
+    if longest < 4 * SHORTEST_PROBE or points < 3:
+        raise ValueError(
+            f"measuring a cost model needs a longest microbatch of at least {4 * SHORTEST_PROBE} "
+            f"tokens and 3 points, got {longest} tokens and {points} points"
+        )
+    ratio = (longest / SHORTEST_PROBE) ** (1 / (points - 1))
+    return sorted({round(SHORTEST_PROBE * ratio**i) for i in range(points - 1)} | {longest})
+
+
+def time_microbatches(
+    model: torch.nn.Module,
+    lengths: Sequence[int],
+    *,
+    vocab_size: int,
+    repeats: int = 2,
+    group: dist.ProcessGroup | None = None,
+) -> tuple[float, ...]:
+    """Seconds of the forward and backward of a one-sample microbatch of each of ``lengths``.
+
+    ``model`` is a plain megatron-core ``GPTModel`` (not wrapped by a DP backend, whose gradient
+    hooks would move or sum the probes' gradients), on the device it trains on, with the attention
+    it trains with: every probe is a packed THD microbatch of one sample (``cu_seqlens``), as the
+    balanced loaders feed it. Each length runs once unmeasured, then ``repeats`` times; the median
+    counts. The parameters' ``.grad`` are reset to ``None`` and the RNG states restored afterwards.
+    Collective over ``group`` (every rank must call it with the same lengths): the result is the
+    ranks' mean, the same on every rank, so that every rank fits the same cost model.
+    """
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    device = next(model.parameters()).device
+    medians = []
+    with _restored_rng(device):
+        for length in lengths:
+            tokens = torch.randint(1, vocab_size, (1, length), device=device)
+            positions = torch.arange(length, device=device).view(1, -1)
+            bounds = torch.tensor([0, length], dtype=torch.int32, device=device)
+            packed = PackedSeqParams(
+                qkv_format="thd",
+                cu_seqlens_q=bounds,
+                cu_seqlens_kv=bounds,
+                max_seqlen_q=length,
+                max_seqlen_kv=length,
+            )
+            times = []
+            for _ in range(repeats + 1):
+                _synchronize(device)
+                start = time.perf_counter()
+                losses = model(tokens, positions, None, labels=tokens, packed_seq_params=packed)
+                losses.float().sum().backward()
+                _synchronize(device)
+                times.append(time.perf_counter() - start)
+            medians.append(statistics.median(times[1:]))
+    model.zero_grad(set_to_none=True)
+    seconds = torch.tensor(medians, dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(seconds, group=group)  # the same sum on every rank: the same fit
+        seconds /= dist.get_world_size(group)
+    return tuple(float(t) for t in seconds)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def _restored_rng(device: torch.device) -> Iterator[None]:
+    """The probes draw tokens and dropout masks: the run's random streams stay as they were."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    tracker = get_cuda_rng_tracker()
+    tracker_states = tracker.get_states()
+    cpu_state = torch.get_rng_state()
+    cuda_state = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu_state)
+        if cuda_state is not None:
+            torch.cuda.set_rng_state(cuda_state, device)
+        if tracker_states:  # set_states would mark an unused tracker initialised
+            tracker.set_states(tracker_states)
