@@ -14,7 +14,8 @@ One 4-rank world (CPU, gloo, shm transport), three layouts:
   holds at most one unit unsharded at a time. With Hugging Face names (a tiny Llama loaded through
   mbridge, vocabulary padded 61 -> 62) the tensors equal the HF checkpoint's bit for bit. A 3-tuple
   (per-microbatch mean) loss is refused;
-- PP=2 x DP=2: stages of one pipeline given different counts are refused in one line.
+- PP=2 x DP=2: stages of one pipeline given different counts are refused in one line; so are DP
+  ranks given different counts on the lockstep ``fsdp`` backend (its collectives would hang).
 
 Without ``rl/`` this fails (no module); without the DP average of ``ODCDataParallel.finish_grad_sync``
 under ``calculate_per_token_loss=False`` the gradients are twice DDP's; without the zero-count path
@@ -305,6 +306,32 @@ def _check_pipeline_counts_refused() -> str:
     return "not refused"
 
 
+def _check_fsdp_uneven_counts_refused() -> str:
+    """The lockstep backend's wrapper (its config and DP group) given different counts per DP rank."""
+    from megatron.core import parallel_state
+
+    from megatron_odc.mcore.config import LOCKSTEP_TRANSPORT, ODCConfig
+    from megatron_odc.mcore.rl.loop import get_forward_backward_func
+
+    chunk = types.SimpleNamespace(
+        config=types.SimpleNamespace(calculate_per_token_loss=True),
+        odc_config=ODCConfig(transport=LOCKSTEP_TRANSPORT),
+        dp_group=parallel_state.get_data_parallel_group(),
+    )
+    try:
+        get_forward_backward_func()(
+            forward_step_func=None,
+            data_iterator=None,
+            model=[chunk],
+            num_microbatches=2 * parallel_state.get_data_parallel_rank(),
+            seq_length=8,
+            micro_batch_size=1,
+        )
+    except ValueError as error:
+        return str(error)
+    return "not refused"
+
+
 def _run(rank: int, world_size: int, hf_dir: str | None) -> dict:
     from megatron_odc.mcore.model import GPTConfig, build_gpt_model
     from tests._megatron import init_megatron, teardown_megatron
@@ -334,6 +361,7 @@ def _run(rank: int, world_size: int, hf_dir: str | None) -> dict:
         out["sync_trained"] = _check_weight_sync_trained(odc["model"])
         out["sync_ddp"] = _check_weight_sync_ddp(ddp["model"])
         out["three_tuple"] = _check_three_tuple_refused(odc["model"], cfg)
+        out["fsdp_uneven"] = _check_fsdp_uneven_counts_refused()
         odc["model"].close()
         cfg = GPTConfig(**SMALL_GPT)  # Megatron's per-token loss through the same loop
         ddp = _external_loop("ddp", cfg, len(COUNTS), "per_token")
@@ -425,7 +453,11 @@ def test_weight_sync_holds_at_most_one_unit_unsharded(world) -> None:
     )
 
 
-def test_a_per_microbatch_mean_loss_and_uneven_pipeline_stages_are_refused(world) -> None:
+def test_a_per_microbatch_mean_loss_uneven_pipeline_stages_and_uneven_fsdp_ranks_are_refused(
+    world,
+) -> None:
     for res in world:
         assert "each microbatch's token mean" in res["three_tuple"], res["three_tuple"]
         assert "given different numbers of microbatches" in res["pipeline"], res["pipeline"]
+        assert res["fsdp_uneven"].startswith("the fsdp backend runs every bucket as a collective")
+        assert "DP rank 0: 0, DP rank 1: 2" in res["fsdp_uneven"], res["fsdp_uneven"]

@@ -41,9 +41,10 @@ from megatron.core.optimizer import OptimizerConfig
 from megatron.core.utils import get_model_config
 
 from megatron_odc.mcore.backends import build_backend
-from megatron_odc.mcore.config import ODC_ENGINE_BACKENDS, ODCConfig
+from megatron_odc.mcore.config import LOCKSTEP_TRANSPORT, ODC_ENGINE_BACKENDS, ODCConfig
 from megatron_odc.mcore.optimizer import check_optimizer_config
 from megatron_odc.mcore.step import forward_backward
+from megatron_odc.transport.devices import all_reduce_on_group_device, collective_device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,19 +199,48 @@ def checked_forward_step(forward_step_func: Callable, contract_name: str) -> Cal
     return forward_step
 
 
+def check_lockstep_counts(model: Any, num_microbatches: Any) -> None:
+    """On the lockstep ``fsdp`` backend, every DP rank must run the same number of microbatches: each
+    bucket's all-gather / reduce-scatter is a collective, so a rank with fewer would leave the others
+    waiting in one until the process group's timeout. Collective over DP (one small all-reduce per
+    schedule call) on that backend only; ODC and megatron-core's DDP take any counts.
+
+    Raises:
+        ValueError: naming each DP rank's count and what to do instead.
+    """
+    odc_config = getattr(model, "odc_config", None)
+    if odc_config is None or odc_config.transport != LOCKSTEP_TRANSPORT:
+        return
+    group = model.dp_group
+    counts = torch.zeros(
+        torch.distributed.get_world_size(group), dtype=torch.int64, device=collective_device(group)
+    )
+    counts[torch.distributed.get_rank(group)] = int(num_microbatches or 0)
+    all_reduce_on_group_device(counts, group=group)
+    if len(set(counts.tolist())) > 1:
+        listed = ", ".join(f"DP rank {r}: {c}" for r, c in enumerate(counts.tolist()))
+        raise ValueError(
+            f"the fsdp backend runs every bucket as a collective, so every DP rank must run the same "
+            f"number of microbatches; got {listed}. Use the odc backend (any count per rank, 0 "
+            "included) or pad every rank to the largest count with empty microbatches"
+        )
+
+
 def get_forward_backward_func(*args: Any, **kwargs: Any) -> Callable:
     """Drop-in for megatron-core's ``get_forward_backward_func`` (the arguments are ignored: the
     schedule follows megatron-core's parallel state, as its own does when called without them).
 
     The function it returns takes the same keyword arguments; ``num_microbatches`` is this rank's own
-    count, 0 included (``step.forward_backward``), the same on every stage of one pipeline (refused in
-    one line otherwise), and a training call's loss function is checked against the model's contract
+    count, 0 included (``step.forward_backward``), the same on every stage of one pipeline and, on the
+    lockstep ``fsdp`` backend, on every DP rank (each refused in one line otherwise), and a training
+    call's loss function is checked against the model's contract
     (:func:`checked_forward_step`).
     """
 
     def schedule(*, forward_step_func: Callable, model: Any, **call: Any) -> list:
+        chunks = model if isinstance(model, list) else [model]
+        check_lockstep_counts(chunks[0], call.get("num_microbatches"))
         if not call.get("forward_only", False):  # a forward-only loss trains nothing: any tuple
-            chunks = model if isinstance(model, list) else [model]
             name, _ = contract_of(get_model_config(chunks[0]))
             forward_step_func = checked_forward_step(forward_step_func, name)
         return forward_backward(forward_step_func=forward_step_func, model=model, **call)
