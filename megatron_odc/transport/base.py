@@ -116,6 +116,16 @@ class Transport(abc.ABC):
         self._spec(name)
         return self._local[name]
 
+    def local_nbytes(self) -> int:
+        """Bytes of transport memory this rank holds: its shards, plus what a backend adds per buffer
+        (the deterministic mode's staging slots)."""
+        self._check_open()
+        return sum(self._local[name].nbytes for name in self._specs) + self._extra_local_nbytes()
+
+    def _extra_local_nbytes(self) -> int:
+        """Backend memory beside the shards (none by default)."""
+        return 0
+
     def spec(self, name: str) -> BufferSpec:
         """The registered spec of buffer ``name``."""
         return self._spec(name)

@@ -447,6 +447,10 @@ class CudaSymmTransport(Transport):
         self._check_open()
         torch.cuda.synchronize(self.device)
 
+    def _extra_local_nbytes(self) -> int:
+        """This rank's staging buffers (deterministic mode): one slot per source for each buffer."""
+        return sum(staging.nbytes for staging, _ in self._staging.values())
+
     def fence(self) -> None:
         """DP-wide barrier; in deterministic mode the owner then reduces its staging slots (fixed order)."""
         self.flush()

@@ -441,6 +441,10 @@ class ShmTransport(Transport):
         self._num_buffers += 1
         return views[0][self.rank]
 
+    def _extra_local_nbytes(self) -> int:
+        """This rank's staging buffers (deterministic mode): one slot per source for each buffer."""
+        return sum(views[self.rank].nbytes for views in self._staging_views.values())
+
     def _check_same_spec(self, spec: BufferSpec, infos: list) -> None:
         for info in infos:
             if info[4] is not None:

@@ -45,6 +45,13 @@ def _train(transport: str, offload_after: int | None) -> dict:
     for step, counts in enumerate(COUNTS):
         if step == offload_after:
             out["bytes"]["before"] = device_nbytes([model], optimizer)
+            transport = model.engine.transport
+            out["bytes"]["expected_shards"] = sum(
+                transport.local(name).nbytes
+                # deterministic mode: each fp32 accumulate buffer has one shard-sized slot per source
+                * (1 + (dist.get_world_size() if transport.spec(name).accumulate else 0))
+                for name in transport.buffer_names
+            )
             moved = offload([model], optimizer)
             out["bytes"]["offloaded"] = device_nbytes([model], optimizer)
             try:
@@ -108,6 +115,7 @@ def test_offload_frees_every_device_byte_and_onload_restores_them(world, transpo
         _, run = res[transport]
         before, offloaded, onloaded = (run["bytes"][k] for k in ("before", "offloaded", "onloaded"))
         assert before.shards > 0, (rank, before)
+        assert before.shards == run["bytes"]["expected_shards"], (rank, before, run["bytes"])
         assert before.optimizer > 0, (rank, before)
         assert before.unsharded == 0, (rank, before)
         assert offloaded.total == 0, (rank, offloaded)

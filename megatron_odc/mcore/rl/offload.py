@@ -34,7 +34,8 @@ class DeviceBytes:
     """Bytes ODC holds on the device, by kind (measured from the live tensors' storage).
 
     Attributes:
-        shards: owned parameter shards and gradient accumulators (transport memory).
+        shards: owned parameter shards and gradient accumulators, with the deterministic mode's
+            staging slots (all of it transport memory).
         optimizer: fp32 main shards and optimizer state.
         unsharded: unsharded parameter and gradient buffers.
     """
@@ -56,8 +57,7 @@ def device_nbytes(model_chunks: Sequence, optimizer=None) -> DeviceBytes:
     for chunk in model_chunks:
         engine = chunk.engine
         if not engine.offloaded:
-            transport = engine.transport
-            shards += sum(transport.local(name).nbytes for name in transport.buffer_names)
+            shards += engine.transport.local_nbytes()
         unsharded += engine.unsharded_nbytes()
     tensors = optimizer.device_tensors() if optimizer is not None else []
     storages = {t.untyped_storage().data_ptr(): t for t in tensors}
