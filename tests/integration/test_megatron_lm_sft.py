@@ -404,3 +404,54 @@ def test_odc_line_and_scalars_at_megatron_lms_log_interval(tmp_path, monkeypatch
     assert got["odc/plan-ahead-ms-max"] == (4.0, 2)
     assert got["odc/fence-ms-max"] == (100.0, 2)
     assert set(got) >= {"odc/compute-imbalance", "odc/fetch-wait-ms-mean", "odc/push-ms-max"}
+
+
+def _measured_cost(rank: int, world_size: int) -> tuple:
+    from megatron_odc.integration.cpu import cpu_runtime
+    from megatron_odc.integration.megatron_lm.balance_cost import balance_cost
+    from megatron_odc.mcore.parallel import model_parallel
+
+    args = _args("--balance-cost", "measured")
+    model = {
+        "num_layers": 2,
+        "hidden_size": 64,
+        "ffn_hidden_size": 256,
+        "num_attention_heads": 4,
+        "padded_vocab_size": 384,
+        "max_position_embeddings": SEQ,
+        "bf16": False,
+        "fp16": False,
+        "untie_embeddings_and_output_weights": False,
+        "disable_bias_linear": False,
+        "group_query_attention": False,
+        "num_query_groups": None,
+        "swiglu": False,
+        "seed": 1234,
+    }
+    for key, value in model.items():
+        setattr(args, key, value)
+    with pytest.raises(ValueError, match="on GPUs use --balance-cost flops"):
+        balance_cost(args, SEQ)  # no CPU runtime: a GPU run
+    with cpu_runtime(), model_parallel(1):
+        before = torch.get_rng_state()
+        cost, overhead = balance_cost(args, SEQ)
+        untouched = torch.equal(before, torch.get_rng_state())
+        flops = balance_cost(argparse.Namespace(**{**vars(args), "balance_cost": "flops"}), SEQ)
+    return cost.a, cost.b, overhead, untouched, flops
+
+
+def test_measured_balance_cost_is_the_same_on_every_rank_and_refused_where_it_cannot_run() -> None:
+    from megatron_odc.integration.megatron_lm import flags
+    from tests._dist import run_ranks
+
+    first, second = run_ranks(_measured_cost, 2, timeout_s=240)
+    assert first[:3] == second[:3]  # every rank plans with the same numbers
+    a, b, overhead, untouched, flops = first
+    assert a + b > 0
+    assert overhead >= 0
+    assert untouched  # the run's random stream is where Megatron-LM left it
+    assert flops == (COST, 0.0)
+    with pytest.raises(ValueError, match="needs --tensor-model-parallel-size 1"):
+        flags.postprocess_odc_args(
+            _args("--balance-cost", "measured", tensor_model_parallel_size=2)
+        )

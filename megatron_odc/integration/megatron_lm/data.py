@@ -53,6 +53,7 @@ import torch
 from megatron_odc.balance.cost import CostModel
 from megatron_odc.balance.plan import Plan, make_plan
 from megatron_odc.data.lookahead import Lookahead
+from megatron_odc.integration.megatron_lm.balance_cost import balance_cost
 from megatron_odc.runner.odc_flags import MEGATRON_SAMPLER
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,8 @@ class BalancedPretrainingLoader:
             replicas for the 1F1B schedule (``make_plan(pipeline_stages=...)``) and every stage of a
             replica, each with its own loader, gets the same microbatches.
         cost_model: the per-sample cost of records (default: tokens).
+        microbatch_overhead: fixed cost of a microbatch in the cost model's units, which LB-Mini
+            weighs against the samples' ([Note: microbatch overhead] in ``balance/plan.py``).
         max_tokens: real tokens per microbatch of records (default ``seq_length``).
         fixed_shape: pad each microbatch of records to ``seq_length`` (tensor / pipeline parallelism).
     """
@@ -96,6 +99,7 @@ class BalancedPretrainingLoader:
         plan_kind: str = "lb_mini",
         pipeline_stages: int = 1,
         cost_model: CostModel | None = None,
+        microbatch_overhead: float = 0.0,
         max_tokens: int | None = None,
         fixed_shape: bool = False,
     ) -> None:
@@ -112,6 +116,7 @@ class BalancedPretrainingLoader:
         self.plan_kind = plan_kind
         self.pipeline_stages = pipeline_stages
         self.cost_model = cost_model
+        self.microbatch_overhead = microbatch_overhead
         self.max_tokens = seq_length if max_tokens is None else max_tokens
         self.fixed_shape = fixed_shape
         self.num_global_batches = len(dataset) // global_batch_size
@@ -142,6 +147,7 @@ class BalancedPretrainingLoader:
             cost_model=cost,
             too_long="error",
             pipeline_stages=self.pipeline_stages,
+            microbatch_overhead=self.microbatch_overhead if self.records else 0.0,
             microbatch_floor=floor,
         )
 
@@ -326,20 +332,6 @@ class _BalancedIterator(Iterator):
         return torch.utils.data.default_collate([self.loader.dataset[i] for i in sample_ids])
 
 
-def megatron_lm_cost_model(args: Any) -> CostModel:
-    """The FLOP cost model of Megatron-LM's GPT from its args (``CostModel.from_model_config``, the
-    plugin's entry's model)."""
-    return CostModel.from_model_config(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        vocab_size=getattr(args, "padded_vocab_size", None) or args.vocab_size,
-        num_query_groups=args.num_query_groups if args.group_query_attention else None,
-        gated_mlp=bool(args.swiglu),
-    )
-
-
 def wrap_build_pretraining_data_loader(original: Callable) -> Callable:
     """``build_pretraining_data_loader`` that gives the train split a :class:`BalancedPretrainingLoader`."""
 
@@ -359,6 +351,8 @@ def wrap_build_pretraining_data_loader(original: Callable) -> Callable:
         ):
             return original(dataset, consumed_samples)
         fixed_shape = args.tensor_model_parallel_size > 1 or args.pipeline_model_parallel_size > 1
+        cap = args.max_tokens_per_microbatch or args.seq_length
+        cost_model, microbatch_overhead = balance_cost(args, cap)
         loader = BalancedPretrainingLoader(
             dataset,
             consumed_samples,
@@ -368,7 +362,8 @@ def wrap_build_pretraining_data_loader(original: Callable) -> Callable:
             seq_length=args.seq_length,
             plan_kind=args.balance,
             pipeline_stages=args.pipeline_model_parallel_size,
-            cost_model=megatron_lm_cost_model(args),
+            cost_model=cost_model,
+            microbatch_overhead=microbatch_overhead,
             max_tokens=args.max_tokens_per_microbatch,
             fixed_shape=fixed_shape,
         )

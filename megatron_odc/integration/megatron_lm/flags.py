@@ -38,6 +38,9 @@ logger = logging.getLogger(__name__)
 BALANCE_CHOICES = (*PLAN_KINDS, MEGATRON_SAMPLER)
 """``--balance`` here: a plan kind, or ``none`` to keep Megatron-LM's own sampler."""
 
+BALANCE_COSTS = ("flops", "measured")
+"""``--balance-cost`` choices (``integration/megatron_lm/measured_cost.py``); the first is the default."""
+
 CPU_FLAGS: tuple[tuple[str, ...], ...] = (
     ("--distributed-backend", "gloo"),
     ("--transformer-impl", "local"),
@@ -198,7 +201,16 @@ def add_odc_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     ``--dp-backend`` has no default here: without it Megatron-LM chooses from its own flags.
     """
-    add_odc_arguments(parser, dp_backend_default=None, balance_choices=BALANCE_CHOICES)
+    group = add_odc_arguments(parser, dp_backend_default=None, balance_choices=BALANCE_CHOICES)
+    group.add_argument(
+        "--balance-cost",
+        choices=BALANCE_COSTS,
+        default=BALANCE_COSTS[0],
+        help="the cost model --balance plans records with: flops (a*s^2+b*s from the model's "
+        "shape, what TransformerEngine's attention costs on GPUs) or measured (timed at start-up "
+        "on this machine, with a fixed cost per microbatch; the CPU runtime, TP = PP = 1) "
+        "(default flops)",
+    )
     return parser
 
 
@@ -293,6 +305,17 @@ def postprocess_odc_args(args: argparse.Namespace) -> argparse.Namespace:
             raise ValueError(
                 f"--max-tokens-per-microbatch {args.max_tokens_per_microbatch}: Megatron-LM's "
                 f"microbatches are [micro_batch_size, seq_length], so it must be {cap}"
+            )
+        model_parallel = (
+            getattr(args, "tensor_model_parallel_size", 1),
+            getattr(args, "pipeline_model_parallel_size", 1),
+        )
+        if getattr(args, "balance_cost", "flops") == "measured" and model_parallel != (1, 1):
+            raise ValueError(
+                "--balance-cost measured times whole-model microbatches on each rank where its data "
+                "loader is built: it needs --tensor-model-parallel-size 1 and "
+                f"--pipeline-model-parallel-size 1 (got {model_parallel[0]} and {model_parallel[1]}); "
+                "use --balance-cost flops there"
             )
     _per_token_loss(args, f"--dp-backend {backend} lets DP ranks run different microbatch counts")
     args.tp_only_amax_red = True
