@@ -4,7 +4,7 @@ buys a Megatron-LM user, rows paired in one run.
 Needs ``MEGATRON_LM_PATH`` (a Megatron-LM tree of a supported tag) and the ``[megatron-lm]`` extra.
 The data is made at run time (``megatron_odc/integration/megatron_lm/sft_example.py``): a word-level
 tokenizer and a chat JSONL whose lengths follow a shipped profile (``--profile``, default ``longalign``)
-scaled so that its longest sample is ``--seq-length`` tokens. Rows (``--rows``):
+scaled so that its longest sample is ``--seq-length`` tokens, or repeat ``--lengths-pattern``. Rows (``--rows``):
 
 ==================  =========================================================================================
 row                 what runs
@@ -15,6 +15,10 @@ row                 what runs
 ``ddp_lb_micro``    ``--dp-backend ddp --balance lb_micro``: the plugin's packing of real lengths, the same
                     count on every rank (LB-Micro); Megatron-LM's DDP syncs once per step
 ``odc_lb_mini``     ``--dp-backend odc`` (LB-Mini): the same packing, each rank its own count
+``odc_lb_micro``    ``--dp-backend odc --balance lb_micro``: ODC on the equal-count plan (its compute
+                    imbalance against LB-Mini's, in ODC's log line)
+``odc_lb_mini_``    ``--dp-backend odc --balance-cost measured``: LB-Mini planned with the cost model timed
+``measured``        at start-up on this machine, a fixed cost per microbatch included
 ``fsdp2``           ``--use-torch-fsdp2`` (Megatron-LM's ZeRO-3 peer), Megatron-LM's sampler: tried; a row that
                     does not run on CPU is reported with its error line
 ==================  =========================================================================================
@@ -56,6 +60,7 @@ from megatron_odc.integration.megatron_lm.sft_example import (  # noqa: E402
     SPECIAL_TOKENS,
     WORDS,
     write_chats,
+    write_chats_of_lengths,
     write_tokenizer,
 )
 
@@ -63,6 +68,15 @@ ROWS = {
     "stock_ddp": ("--dp-backend", "ddp", "--calculate-per-token-loss"),
     "ddp_lb_micro": ("--dp-backend", "ddp", "--balance", "lb_micro"),
     "odc_lb_mini": ("--dp-backend", "odc", "--balance", "lb_mini"),
+    "odc_lb_micro": ("--dp-backend", "odc", "--balance", "lb_micro"),
+    "odc_lb_mini_measured": (
+        "--dp-backend",
+        "odc",
+        "--balance",
+        "lb_mini",
+        "--balance-cost",
+        "measured",
+    ),
     "fsdp2": (
         "--use-torch-fsdp2",
         "--untie-embeddings-and-output-weights",  # Megatron-LM asserts it with FSDP2
@@ -185,6 +199,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--profile", default="longalign")
+    parser.add_argument(
+        "--lengths-pattern",
+        default=None,
+        help="comma-separated record lengths repeated instead of --profile's, e.g. a skewed global "
+        "batch 280,280,280,200,200,200,200,40",
+    )
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS per rank")
     parser.add_argument("--out", type=Path, default=None, help="keep the logs and data here")
     args = parser.parse_args(argv)
@@ -195,13 +215,20 @@ def main(argv: list[str] | None = None) -> None:
     data = out / "data"
     data.mkdir(exist_ok=True)
     write_tokenizer(data / "tokenizer")
-    lengths = write_chats(
-        data / "chats.jsonl",
-        args.iters * args.gbs,
-        profile=args.profile,
-        max_tokens=args.seq_length,
-        seed=0,
-    )
+    if args.lengths_pattern:
+        pattern = [int(n) for n in args.lengths_pattern.split(",")]
+        count = args.iters * args.gbs
+        lengths = write_chats_of_lengths(
+            data / "chats.jsonl", (pattern * -(-count // len(pattern)))[:count]
+        )
+    else:
+        lengths = write_chats(
+            data / "chats.jsonl",
+            args.iters * args.gbs,
+            profile=args.profile,
+            max_tokens=args.seq_length,
+            seed=0,
+        )
     print(f"load average before: {os.getloadavg()}", flush=True)
     results = []
     for rnd in range(args.rounds):

@@ -7,6 +7,7 @@ import argparse
 import math
 from collections.abc import Callable
 
+from benchmarks.gpu_check_lib.sft_ranks import run_thd_sft
 from benchmarks.gpu_check_lib.training_ranks import (
     PARITY_COUNTS,
     run_fp8_emulated,
@@ -167,6 +168,31 @@ def _check_te_fp8(args) -> tuple[bool, str, dict]:
     return ok, detail, res
 
 
+def _check_thd_sft(args) -> tuple[bool, str, dict]:
+    from megatron_odc.core.fp8 import transformer_engine_available
+
+    if not rehearsing() and not transformer_engine_available():
+        return (
+            True,
+            "TransformerEngine not importable here (its THD attention is the check)",
+            {"skipped": True},
+        )
+    res = run_world(run_thd_sft, 2, 3, timeout_s=args.timeout_s)[0]
+    loss_err = max(abs(a - b) / abs(b) for a, b in zip(res["odc_losses"], res["ddp_losses"]))
+    uneven = len(set(res["odc_counts"])) > 1
+    ok = loss_err <= BF16_LOSS_RTOL and uneven
+    detail = (
+        f"packed THD records, ODC+LB-Mini counts {res['odc_counts']} vs DDP+LB-Micro "
+        f"{res['ddp_counts']}: loss rel err {loss_err:.2g} (bf16 tol 2e-2)"
+        + (
+            "; local spec, the CPU runtime's THD attention"
+            if rehearsing()
+            else "; TE THD attention"
+        )
+    )
+    return ok, detail, res
+
+
 CHECKS: dict[str, Callable[[argparse.Namespace], tuple[bool, str, dict]]] = {
     "correctness w=2": lambda a: _check_correctness(a, 2),
     "correctness w=4": lambda a: _check_correctness(a, 4),
@@ -175,6 +201,7 @@ CHECKS: dict[str, Callable[[argparse.Namespace], tuple[bool, str, dict]]] = {
     "parity w=2 odc vs ddp": _check_parity,
     "fp8 emulated w=2": _check_fp8_emulated,
     "te fp8 w=2": _check_te_fp8,
+    "thd sft w=2": _check_thd_sft,
 }
 RANK_FUNCTIONS = (
     run_correctness,
@@ -183,4 +210,5 @@ RANK_FUNCTIONS = (
     run_parity,
     run_fp8_emulated,
     run_te_fp8,
+    run_thd_sft,
 )

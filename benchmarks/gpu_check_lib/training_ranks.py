@@ -38,10 +38,12 @@ def _train(
     opt_config,
     options=None,
     batches: Callable | None = None,
+    forward_step: Callable | None = None,
 ) -> dict:
     """Train ``steps`` steps with ``backend`` on this rank's uneven microbatches; losses and weights.
 
-    ``batches(step, dp_rank)`` gives a rank's microbatches (default: ``_gpt_batches``).
+    ``batches(step, dp_rank)`` gives a rank's microbatches (default: ``_gpt_batches``), which
+    ``forward_step`` runs (default: the tests' GPT forward step on padded batches).
     """
     batches = batches or functools.partial(_gpt_batches, cfg)
     from megatron.core.transformer.module import Float16Module
@@ -49,6 +51,8 @@ def _train(
     from megatron_odc.mcore.backends import build_backend
     from megatron_odc.mcore.step import train_step
     from tests._megatron import _forward_step
+
+    forward_step = forward_step or _forward_step
 
     model = build_model()
     if cfg.bf16:
@@ -63,7 +67,7 @@ def _train(
             out = train_step(
                 wrapped,
                 optimizer,
-                _forward_step,
+                forward_step,
                 batches(step, dp_rank),
                 seq_length=cfg.seq_length,
             )
@@ -332,7 +336,9 @@ def run_te_fp8(rank: int, world_size: int, steps: int) -> dict:
     }
 
 
-def _te_gpt(cfg, seed: int, fp8_params: bool) -> Callable:
+def _te_gpt(cfg, seed: int, fp8_params: bool, fp8: str | None = "hybrid") -> Callable:
+    """A TE-spec GPT builder; ``fp8=None``: bf16 compute (TE's attention, THD included)."""
+
     def build():
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import (
@@ -343,13 +349,14 @@ def _te_gpt(cfg, seed: int, fp8_params: bool) -> Callable:
         from megatron_odc.core.fp8 import check_fp8_recipe, check_te_request
         from megatron_odc.mcore.model import transformer_config
 
-        check_te_request(transformer_impl="transformer_engine", fp8="hybrid", fp8_param=fp8_params)
+        check_te_request(transformer_impl="transformer_engine", fp8=fp8, fp8_param=fp8_params)
         model_parallel_cuda_manual_seed(seed)
         torch.manual_seed(seed)
         config = transformer_config(cfg)
-        config.fp8 = "hybrid"
-        config.fp8_recipe = "tensorwise"
-        config.fp8_param = fp8_params
+        if fp8 is not None:
+            config.fp8 = fp8
+            config.fp8_recipe = "tensorwise"
+            config.fp8_param = fp8_params
         config.use_cpu_initialization = False
         check_fp8_recipe(config)
         return GPTModel(

@@ -96,7 +96,8 @@ class GPTConfig:
         Fields named like an attribute of ``args`` are copied; the others follow Megatron-LM's flags:
         ``seq_length`` is ``--max-position-embeddings``, ``params_dtype`` follows ``--bf16`` /
         ``--fp16``, ``share_embeddings_and_output_weights`` is ``not --untie-embeddings-and-output-
-        weights``, ``add_bias_linear`` is ``not --disable-bias-linear`` and ``num_query_groups`` is
+        weights``, ``add_bias_linear`` is ``not --disable-bias-linear`` (Megatron-LM's own parsed
+        ``add_bias_linear`` where there is no such flag) and ``num_query_groups`` is
         ``--num-query-groups`` under ``--group-query-attention``.
         """
         values = {
@@ -109,7 +110,11 @@ class GPTConfig:
                 "seq_length": args.max_position_embeddings,
                 "params_dtype": params_dtype(bf16=args.bf16, fp16=args.fp16),
                 "share_embeddings_and_output_weights": not args.untie_embeddings_and_output_weights,
-                "add_bias_linear": not args.disable_bias_linear,
+                # the plugin's parser has --disable-bias-linear; Megatron-LM's validated args
+                # hold add_bias_linear itself (copied above)
+                "add_bias_linear": not args.disable_bias_linear
+                if hasattr(args, "disable_bias_linear")
+                else values.get("add_bias_linear", True),
                 "num_query_groups": args.num_query_groups if args.group_query_attention else None,
             }
         )

@@ -54,6 +54,7 @@ def test_gpu_check_dry_run() -> None:
         "parity",
         "fp8 emulated",
         "te fp8",
+        "thd sft",
         # every name the rank bodies import resolves, in whichever megatron-core is installed
         f"megatron-core: importable ({metadata.version('megatron-core')})",
     ):
@@ -71,6 +72,7 @@ def test_cpu_rehearsal_runs_every_check_and_passes(tmp_path: Path) -> None:
         "bandwidth w=2",
         "parity w=2 odc vs ddp",
         "fp8 emulated w=2",
+        "thd sft w=2",
     ]
     out = tmp_path / "numbers.json"
     shm_root = Path("/dev/shm") / f"odc-rehearsal-{uuid.uuid4().hex[:12]}"  # this run's only
@@ -117,6 +119,10 @@ def test_cpu_rehearsal_runs_every_check_and_passes(tmp_path: Path) -> None:
     # remote_peers="all": the peer through (faked) NVSHMEM get / put; "auto": one host, load / store.
     assert [(r["all"]["remote"], r["auto"]["remote"]) for r in nvshmem] == [([1], []), ([0], [])]
     assert numbers["bandwidth w=2"]["extra"]["acc_det_gbps"] > 0
+    thd = numbers["thd sft w=2"]["extra"]
+    assert thd["odc_counts"] == [3, 2]  # uneven (LB-Mini) against
+    assert thd["ddp_counts"] == [2, 2]  # LB-Micro's equal counts of the same records
+    assert max(abs(a - b) / b for a, b in zip(thd["odc_losses"], thd["ddp_losses"])) < 1e-3
     assert not left_behind, f"the rehearsal left its host 'symmetric memory' behind: {left_behind}"
 
 
@@ -210,6 +216,17 @@ def test_nvshmem_is_skipped_with_the_reason_or_judged_per_rank(on_gpu, monkeypat
     assert "rank 1: nvshmem all: lost 2 element(s)" in detail
     monkeypatch.setattr(checks, "run_world", lambda *a, **k: [clean, clean])
     assert checks._check_nvshmem(_args())[0]
+
+
+def test_thd_sft_is_skipped_with_the_reason_without_transformer_engine(on_gpu) -> None:
+    from megatron_odc.core.fp8 import transformer_engine_available
+
+    if transformer_engine_available():
+        pytest.skip("TransformerEngine is importable here: the check would run")
+    ok, detail, extra = checks.CHECKS["thd sft w=2"](_args())
+    assert ok
+    assert extra == {"skipped": True}
+    assert "TransformerEngine not importable" in detail
 
 
 def test_a_failing_or_raising_check_fails_the_run(on_gpu, monkeypatch, tmp_path, capsys) -> None:
