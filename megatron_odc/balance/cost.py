@@ -27,11 +27,13 @@ microbatch costs the sum of its samples' costs.
 
 [Note: measured cost model]
 The FLOP model holds where attention runs as a compute-bound kernel (FlashAttention, TransformerEngine's
-THD). Elsewhere the quadratic term costs far more than its FLOPs: the local attention materialises the
-``s x s`` scores and runs softmax and masking over them, memory-bound. On 2 CPU cores (4 layers x 128,
-fp32) a measured fit gives ``a / b`` about 40x the FLOP model's, and a microbatch of 32 tokens takes
-2.5x its FLOP share (a fixed cost per microbatch: kernel launches, Python, parameter fetches). A plan
-balanced under the FLOP model then gives the rank with the long samples far more time than it predicts.
+THD, ``scaled_dot_product_attention`` per packed sample on CPU). Elsewhere the quadratic term costs far
+more than its FLOPs: an unfused attention materialises the ``s x s`` scores and runs softmax and masking
+over them, memory-bound (on 2 CPU cores, 4 layers x 128, fp32, a fit gave ``a / b`` about 40x the FLOP
+model's). And a small microbatch costs more than its FLOP share everywhere: a fixed cost per microbatch
+(kernel launches, Python, parameter fetches; 15-20 ms on that CPU, against 4-5 ms of per-token cost for a
+32-token sample). A plan balanced under the FLOP model then gives the rank with many small microbatches, or the
+one with the long samples, more time than it predicts.
 :meth:`CostModel.fit` fits ``seconds = a * s**2 + b * s + c`` to timings of single samples (the
 forward and backward of one microbatch of ``s`` tokens, ``mcore/cost_probe.py`` measures them) by least
 squares on relative errors, with ``a, b, c >= 0``; ``c`` is the fixed cost of a microbatch, returned

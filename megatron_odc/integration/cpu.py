@@ -40,7 +40,7 @@ What each patch is for (the facts behind them: docs/architecture.md, section 3):
    (``sum(s_i**2)``, not the ``t**2`` of a dense block-diagonal mask). In fp32 without attention
    dropout, window or softmax offset, each segment runs as one fused ``scaled_dot_product_attention``
    instead of the original (the same maths; it never holds the ``s x s`` scores, so a 2,000-token
-   segment takes about a quarter of the time on CPU and costs about its FLOPs). Without packed
+   segment takes about a quarter of the time on CPU, 2 cores, and costs about its FLOPs). Without packed
    parameters the original runs unchanged.
 
 [Note: device-remap mode is per thread].
@@ -343,7 +343,7 @@ def _sdpa_segments_apply(attention: Any, query: torch.Tensor, attention_bias: An
         and dropout == 0.0
         and attention_bias is None
         and getattr(attention, "softmax_offset", None) is None
-        and getattr(attention.scale_mask_softmax, "window_size", None) is None
+        and getattr(getattr(attention, "scale_mask_softmax", None), "window_size", None) is None
     )
 
 
@@ -357,7 +357,7 @@ def _causal_sdpa(
         key = key.repeat_interleave(groups, dim=2)
         value = value.repeat_interleave(groups, dim=2)
     scale = attention.softmax_scale
-    if attention.config.apply_query_key_layer_scaling:
+    if getattr(attention.config, "apply_query_key_layer_scaling", False):
         scale *= attention.layer_number  # the local softmax multiplies its coefficient back
     q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [1, heads, s, dim]
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)

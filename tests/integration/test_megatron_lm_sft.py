@@ -193,9 +193,16 @@ def test_fixed_packs_keep_one_sample_per_microbatch() -> None:
     assert plans[0].batches is None
 
 
-def test_cpu_packed_attention_equals_each_sequence_alone(tmp_path) -> None:
-    """The CPU runtime's THD attention on the local spec (shim 9) = the original attention over the
-    whole pack with the block-diagonal causal mask, and = each segment alone."""
+@pytest.mark.parametrize(
+    ("groups", "layer_scaling"),
+    [(4, False), (2, False), (4, True)],
+    ids=["mha", "gqa", "qk_scaling"],
+)
+def test_cpu_packed_attention_equals_each_sequence_alone(tmp_path, groups, layer_scaling) -> None:
+    """The CPU runtime's THD attention on the local spec (shim 9; fp32 without dropout: one fused
+    ``scaled_dot_product_attention`` per segment) = the original attention over the whole pack with
+    the block-diagonal causal mask, and = each segment alone; with grouped keys and values, and with
+    the query-key layer scaling (its coefficient divided out of the scores, multiplied back)."""
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -203,7 +210,7 @@ def test_cpu_packed_attention_equals_each_sequence_alone(tmp_path) -> None:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_odc.data.packing import block_causal_mask
-    from megatron_odc.integration.cpu import cpu_runtime
+    from megatron_odc.integration.cpu import _sdpa_segments_apply, cpu_runtime
 
     torch.distributed.init_process_group(
         "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
@@ -219,13 +226,17 @@ def test_cpu_packed_attention_equals_each_sequence_alone(tmp_path) -> None:
                 use_cpu_initialization=True,
                 attention_dropout=0.0,
                 masked_softmax_fusion=False,
+                num_query_groups=groups,
+                apply_query_key_layer_scaling=layer_scaling,
             )
             attention = DotProductAttention(
-                config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self"
+                config, layer_number=3, attn_mask_type=AttnMaskType.causal, attention_type="self"
             )
             torch.manual_seed(0)
             cu = torch.tensor([[0, 5, 12, 13, 20]], dtype=torch.int32)
-            q, k, v = (torch.randn(20, 4, 8) for _ in range(3))
+            q = torch.randn(20, 4, 8)
+            k, v = (torch.randn(20, groups, 8) for _ in range(2))
+            assert _sdpa_segments_apply(attention, q, None)  # the fused path is what runs
             params = PackedSeqParams(
                 qkv_format="thd",
                 cu_seqlens_q=cu,
