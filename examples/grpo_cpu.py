@@ -27,7 +27,12 @@ of the slowest rank's microbatch; communication and parameter copies are not mod
 Needs: cpu
 Takes: about 60 s on 2 CPU cores (--tiny: about 25 s)
 
-Run: ``python examples/grpo_cpu.py [--tiny] [--dp 2] [--steps 12] [--odc-unsharded-budget all]``.
+``--with-ddp-lb-mini`` adds a diagnostic row: megatron-core DDP on LB-Mini's own plan (its gradient
+all-reduce runs once per step, so uneven counts run), which separates the balancing's gain on this
+machine from ODC's per-microbatch parameter copies.
+
+Run: ``python examples/grpo_cpu.py [--tiny] [--dp 2] [--steps 12] [--odc-unsharded-budget all]
+[--with-ddp-lb-mini]``.
 """
 
 from __future__ import annotations
@@ -60,11 +65,20 @@ PADDING_TOKENS = 16
 CAP_DIVISOR = 4
 """Tokens per microbatch: the longest rollout's / 4 (a longer rollout runs alone in its microbatch),
 as RL stacks cap microbatches by tokens (verl's ``max_token_len``)."""
-PLAN_OF = {"odc": "lb_mini", "ddp": "round_robin", "fsdp2": "lb_micro"}
+DDP_LB_MINI = "ddp_lb_mini"
+"""The diagnostic row of ``--with-ddp-lb-mini``: megatron-core DDP on ODC's own plan."""
+PLAN_OF = {"odc": "lb_mini", "ddp": "round_robin", "fsdp2": "lb_micro", DDP_LB_MINI: "lb_mini"}
 """Each backend's plan (``megatron_odc.balance.make_plan``): ODC balances the step's samples by cost
 with any count per rank; DDP takes the stacks' equal split of samples (sample i to rank i % DP), packs
 each rank's under the cap and pads the counts with empty microbatches; FSDP2 gets the best equal-count
-plan (LB-Micro)."""
+plan (LB-Micro). The diagnostic row runs DDP on LB-Mini's uneven counts (megatron-core's DDP reduces
+once per step, so they run): the balancing's gain on this machine without ODC's parameter copies."""
+NAMES = {
+    "odc": "ODC+LB-Mini",
+    "ddp": "DDP padded",
+    "fsdp2": "FSDP2 LB-Micro",
+    DDP_LB_MINI: "DDP LB-Mini",
+}
 KL_BETA = 0.04
 CLIP_EPS = 0.2
 
@@ -84,6 +98,13 @@ class Settings:
     warmup: int
     unsharded_budget: str = "none"
     """ODC's ``--odc-unsharded-budget`` for the policy (``none``: ZeRO-3, fetch per use)."""
+    ddp_lb_mini: bool = False
+    """Also run the diagnostic row (:data:`DDP_LB_MINI`)."""
+
+    @property
+    def backends(self) -> tuple[str, ...]:
+        """The rows this run trains, in the order they run each step."""
+        return BACKENDS + ((DDP_LB_MINI,) if self.ddp_lb_mini else ())
 
 
 FULL = Settings(4, 128, 512, 256, 32, 2, 8, 12, 1)
@@ -241,7 +262,7 @@ def predicted_seconds(backend: str, plan, measured) -> float:
     counts = plan.num_microbatches()
     if backend == "fsdp2":
         return plan.lockstep_time() + each * max(counts)
-    if backend == "odc":
+    if backend in ("odc", DDP_LB_MINI):
         return max(c + each * n for c, n in zip(plan.rank_costs(), counts, strict=True))
     padding = measured.cost_model.sample_cost(PADDING_TOKENS) + each
     return max(
@@ -254,6 +275,7 @@ def build(backend: str, settings: Settings, seq_length: int):
     """``(policy, optimizer, reference)`` of ``backend`` from the same seed."""
     from megatron.core.optimizer import OptimizerConfig
 
+    backend = "ddp" if backend == DDP_LB_MINI else backend
     from megatron_odc.mcore.config import ODCConfig
     from megatron_odc.mcore.model import build_gpt_model
     from megatron_odc.mcore.rl.loop import build_rl_backend
@@ -351,9 +373,9 @@ def rank_main(rank: int, world_size: int, settings: Settings, store_path: str) -
         measured = measured_cost(settings, longest)
         if dp_rank == 0:
             print(f"cost model measured on this machine: {measured.line}")
-        built = {b: build(b, settings, longest) for b in BACKENDS}
-        rows: dict = {b: [] for b in BACKENDS}
-        predicted = dict.fromkeys(BACKENDS, 0.0)
+        built = {b: build(b, settings, longest) for b in settings.backends}
+        rows: dict = {b: [] for b in settings.backends}
+        predicted = dict.fromkeys(settings.backends, 0.0)
         for step in range(settings.warmup + settings.steps):
             batch = rollouts(settings, step, pool)
             ids = list(range(len(batch["lengths"])))
@@ -372,10 +394,10 @@ def rank_main(rank: int, world_size: int, settings: Settings, store_path: str) -
             }
             timed = step >= settings.warmup
             if timed:
-                for backend in BACKENDS:
+                for backend in settings.backends:
                     predicted[backend] += predicted_seconds(backend, plans[backend], measured)
             global_tokens = sum(n - PROMPT_TOKENS for n in batch["lengths"])
-            for backend in BACKENDS:
+            for backend in settings.backends:
                 policy, optimizer, reference = built[backend]
                 mine = list(plans[backend].rank_microbatches(dp_rank))
                 counts = plans[backend].num_microbatches()
@@ -406,20 +428,26 @@ def rank_main(rank: int, world_size: int, settings: Settings, store_path: str) -
 
 
 def report(rows: dict, predicted: dict, settings: Settings, dp_size: int) -> None:
-    names = {"odc": "ODC+LB-Mini", "ddp": "DDP padded", "fsdp2": "FSDP2 LB-Micro"}
     print(
         f"GRPO on CPU, DP={dp_size}, profile {PROFILE} / {settings.length_scale}, "
         f"{settings.prompts} prompts x {settings.group_size} rollouts, {settings.num_layers} layers "
         f"x {settings.hidden_size}; step {settings.warmup - 1} and before: warm-up (not timed)"
     )
-    for backend in BACKENDS:
+    for backend in rows:
         for step, loss, norm, seconds, counts, _ in rows[backend]:
             print(
-                f"{names[backend]:<12} step {step}: loss {loss:.6f} grad norm {norm:.6f} "
+                f"{NAMES[backend]:<12} step {step}: loss {loss:.6f} grad norm {norm:.6f} "
                 f"step time {seconds:.3f} s microbatches per rank {counts}"
             )
     # Totals of the timed steps, as the predictions sum the same steps' planned costs.
-    times = {b: math.fsum(r[3] for r in rows[b] if r[5]) for b in BACKENDS}
+    times = {b: math.fsum(r[3] for r in rows[b] if r[5]) for b in rows}
+    if DDP_LB_MINI in rows:
+        print(
+            f"diagnostic: DDP on LB-Mini's plan {times['ddp'] / times[DDP_LB_MINI]:.2f}x vs DDP "
+            f"padded (predicted {predicted['ddp'] / predicted[DDP_LB_MINI]:.2f}x: the balancing "
+            f"alone); ODC's speed on that plan: {times[DDP_LB_MINI] / times['odc']:.2f}x DDP's (its "
+            "parameter copies)"
+        )
     print(
         f"measured ODC+LB-Mini speedup (timed steps' total): {times['ddp'] / times['odc']:.2f}x vs "
         f"DDP padded, {times['fsdp2'] / times['odc']:.2f}x vs FSDP2 equal counts; cost model predicts "
@@ -435,6 +463,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dp", type=int, default=2, help="CPU ranks (DP size)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps")
     parser.add_argument(
+        "--with-ddp-lb-mini",
+        action="store_true",
+        help="also run megatron-core DDP on LB-Mini's plan (a diagnostic row: the balancing's gain "
+        "without ODC's parameter copies)",
+    )
+    parser.add_argument(
         "--odc-unsharded-budget",
         default="none",
         help="ODC's budget of units kept unsharded for the minibatch (none, all or a size)",
@@ -443,7 +477,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.dp < 1:
         parser.error(f"--dp must be >= 1, got {args.dp}")
     settings = dataclasses.replace(
-        TINY if args.tiny else FULL, unsharded_budget=args.odc_unsharded_budget
+        TINY if args.tiny else FULL,
+        unsharded_budget=args.odc_unsharded_budget,
+        ddp_lb_mini=args.with_ddp_lb_mini,
     )
     if args.steps is not None:
         if args.steps < 1:

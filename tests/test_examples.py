@@ -306,7 +306,7 @@ def test_cpu_example_runs_and_verifies(script, tmp_path):
 
 
 GRPO_STEP = re.compile(
-    r"^(?P<backend>ODC\+LB-Mini|DDP padded|FSDP2 LB-Micro) +step (?P<step>\d+): loss (?P<loss>\S+) "
+    r"^(?P<backend>ODC\+LB-Mini|DDP padded|FSDP2 LB-Micro|DDP LB-Mini) +step (?P<step>\d+): loss (?P<loss>\S+) "
     r"grad norm (?P<norm>\S+) step time (?P<time>\S+) s microbatches per rank \[(?P<counts>[\d, ]+)\]$"
 )
 
@@ -314,11 +314,11 @@ GRPO_STEP = re.compile(
 def test_grpo_cpu_example_runs_tiny_and_the_three_backends_make_the_same_updates(tmp_path):
     """``examples/grpo_cpu.py --tiny`` (a Python example, docs/rl.md): every backend prints every step;
     the same rollouts give the same per-step loss and grad norm under ODC + LB-Mini (uneven counts),
-    padded megatron-core DDP and FSDP2 (1e-4: the plans sum in different orders); DDP's and FSDP2's
-    counts are equal across ranks; the plans' cost model was measured first; the last line holds the
+    padded megatron-core DDP, FSDP2 and the diagnostic row (DDP on ODC's plan: its counts; 1e-4: the
+    plans sum in different orders); padded DDP's and FSDP2's counts are equal across ranks; the plans' cost model was measured first; the last line holds the
     measured and predicted ratios."""
     script = EXAMPLES / "grpo_cpu.py"
-    out = _run(script, tmp_path, [sys.executable, str(script), "--tiny"])
+    out = _run(script, tmp_path, [sys.executable, str(script), "--tiny", "--with-ddp-lb-mini"])
     rows: dict = {}
     for line in out.splitlines():
         match = GRPO_STEP.match(line)
@@ -327,17 +327,23 @@ def test_grpo_cpu_example_runs_tiny_and_the_three_backends_make_the_same_updates
             rows.setdefault(match["backend"], []).append(
                 (float(match["loss"]), float(match["norm"]), float(match["time"]), counts)
             )
-    assert sorted(rows) == ["DDP padded", "FSDP2 LB-Micro", "ODC+LB-Mini"], out[-3000:]
+    assert sorted(rows) == ["DDP LB-Mini", "DDP padded", "FSDP2 LB-Micro", "ODC+LB-Mini"], out[
+        -3000:
+    ]
     steps = {len(r) for r in rows.values()}
     assert len(steps) == 1, rows
     assert steps.pop() >= 2, rows
-    for backend in ("DDP padded", "FSDP2 LB-Micro"):
-        for (loss, norm, _, counts), (odc_loss, odc_norm, _, _) in zip(
+    for backend in ("DDP padded", "FSDP2 LB-Micro", "DDP LB-Mini"):
+        for (loss, norm, _, counts), (odc_loss, odc_norm, _, odc_counts) in zip(
             rows[backend], rows["ODC+LB-Mini"], strict=True
         ):
             assert abs(loss - odc_loss) <= 1e-4 * max(1.0, abs(odc_loss)), (backend, rows)
             assert abs(norm - odc_norm) <= 1e-4 * odc_norm, (backend, rows)
-            assert len(set(counts)) == 1, (backend, counts)
+            if backend == "DDP LB-Mini":  # the diagnostic row runs ODC's own plan
+                assert counts == odc_counts, (counts, odc_counts)
+            else:
+                assert len(set(counts)) == 1, (backend, counts)
+    assert "diagnostic: DDP on LB-Mini's plan" in out, out[-3000:]
     last = out.rstrip().splitlines()[-1]
     ratios = re.findall(r"(\d+\.\d+)x", last)
     assert last.startswith("measured ODC+LB-Mini speedup (timed steps' total)"), last
