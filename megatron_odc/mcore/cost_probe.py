@@ -8,13 +8,14 @@ measured model at all: [Note: measured cost model] in ``balance/cost.py``.
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+
+from megatron_odc.mcore.rng import restored_rng
 
 __all__ = ["probe_lengths", "time_microbatches"]
 
@@ -55,7 +56,7 @@ def time_microbatches(
 
     device = next(model.parameters()).device
     medians = []
-    with _restored_rng(device):
+    with restored_rng():
         for length in lengths:
             tokens = torch.randint(1, vocab_size, (1, length), device=device)
             positions = torch.arange(length, device=device).view(1, -1)
@@ -87,22 +88,3 @@ def time_microbatches(
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-@contextlib.contextmanager
-def _restored_rng(device: torch.device) -> Iterator[None]:
-    """The probes draw tokens and dropout masks: the run's random streams stay as they were."""
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    tracker = get_cuda_rng_tracker()
-    tracker_states = tracker.get_states()
-    cpu_state = torch.get_rng_state()
-    cuda_state = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    try:
-        yield
-    finally:
-        torch.set_rng_state(cpu_state)
-        if cuda_state is not None:
-            torch.cuda.set_rng_state(cuda_state, device)
-        if tracker_states:  # set_states would mark an unused tracker initialised
-            tracker.set_states(tracker_states)

@@ -7,7 +7,9 @@ of them lets the next iteration draw exactly what the uninterrupted run drew.
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -33,3 +35,14 @@ def set_rng_state(state: dict[str, Any]) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
     if "torch_cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["torch_cuda"])
+
+
+@contextlib.contextmanager
+def restored_rng() -> Iterator[None]:
+    """Every generator is where it was when the block ends (work that draws off the record, such as
+    timing probes or building a throwaway model)."""
+    state = rng_state()
+    try:
+        yield
+    finally:
+        set_rng_state(state)

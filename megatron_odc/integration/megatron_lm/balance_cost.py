@@ -49,20 +49,15 @@ def balance_cost(args: Any, cap_tokens: int) -> tuple[CostModel, float]:
             "--balance-cost measured times the CPU runtime's local attention; on GPUs use "
             "--balance-cost flops (TransformerEngine's attention costs its FLOPs)"
         )
-    import torch
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
     from megatron_odc.mcore.cost_probe import probe_lengths, time_microbatches
     from megatron_odc.mcore.model import GPTConfig, build_gpt_model
+    from megatron_odc.mcore.rng import restored_rng
 
     vocab_size = getattr(args, "padded_vocab_size", None) or args.vocab_size
-    cpu_rng, tracker = torch.get_rng_state(), get_cuda_rng_tracker().get_states()
-    try:  # build_gpt_model reseeds: the run's own streams stay where Megatron-LM left them
+    with (
+        restored_rng()
+    ):  # build_gpt_model reseeds: the run's streams stay where Megatron-LM left them
         model = build_gpt_model(GPTConfig.from_args(args, vocab_size=vocab_size), seed=args.seed)
-    finally:
-        torch.set_rng_state(cpu_rng)
-        if tracker:
-            get_cuda_rng_tracker().set_states(tracker)
     lengths = probe_lengths(cap_tokens)
     seconds = time_microbatches(model, lengths, vocab_size=vocab_size)
     del model
