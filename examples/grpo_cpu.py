@@ -255,19 +255,19 @@ def measured_cost(settings: Settings, longest: int) -> MeasuredCost:
 
 def predicted_seconds(backend: str, plan, measured) -> float:
     """The step time the measured cost model predicts for ``backend`` running ``plan`` (compute only:
-    no communication or parameter copies): ODC, the slowest rank's microbatches; DDP, the same with
-    every rank padded to the largest count by empty microbatches of :data:`PADDING_TOKENS`; FSDP2,
-    the lockstep sum over microbatch indices of the slowest rank's microbatch."""
-    each = measured.microbatch_s
-    counts = plan.num_microbatches()
+    no communication or parameter copies). The plans carry the fixed cost of a microbatch
+    (``microbatch_overhead``), which the plan's own times add per microbatch: ODC, the slowest rank;
+    DDP, the same with every rank padded to the largest count by empty microbatches of
+    :data:`PADDING_TOKENS`; FSDP2, the lockstep sum over microbatch indices of the slowest rank's
+    microbatch."""
     if backend == "fsdp2":
-        return plan.lockstep_time() + each * max(counts)
+        return plan.pipeline_lockstep_time()
     if backend in ("odc", DDP_LB_MINI):
-        return max(c + each * n for c, n in zip(plan.rank_costs(), counts, strict=True))
-    padding = measured.cost_model.sample_cost(PADDING_TOKENS) + each
+        return plan.pipeline_odc_time()
+    counts = plan.num_microbatches()
+    padding = measured.cost_model.sample_cost(PADDING_TOKENS) + measured.microbatch_s
     return max(
-        c + each * n + padding * (max(counts) - n)
-        for c, n in zip(plan.rank_costs(), counts, strict=True)
+        plan.replica_pipeline_time(r) + padding * (max(counts) - n) for r, n in enumerate(counts)
     )
 
 
