@@ -351,8 +351,6 @@ def wrap_build_pretraining_data_loader(original: Callable) -> Callable:
         ):
             return original(dataset, consumed_samples)
         fixed_shape = args.tensor_model_parallel_size > 1 or args.pipeline_model_parallel_size > 1
-        cap = args.max_tokens_per_microbatch or args.seq_length
-        cost_model, microbatch_overhead = balance_cost(args, cap)
         loader = BalancedPretrainingLoader(
             dataset,
             consumed_samples,
@@ -362,12 +360,13 @@ def wrap_build_pretraining_data_loader(original: Callable) -> Callable:
             seq_length=args.seq_length,
             plan_kind=args.balance,
             pipeline_stages=args.pipeline_model_parallel_size,
-            cost_model=cost_model,
-            microbatch_overhead=microbatch_overhead,
             max_tokens=args.max_tokens_per_microbatch,
             fixed_shape=fixed_shape,
         )
         if loader.records:
+            # only records have costs to plan (samples of --seq-length plan by tokens): the probes
+            # of --balance-cost measured run here, up to the loader's own microbatch cap
+            loader.cost_model, loader.microbatch_overhead = balance_cost(args, loader.max_tokens)
             logger.info(
                 "train split: BalancedPretrainingLoader (--balance %s, %d records with real lengths, "
                 "packed up to %d tokens per microbatch%s; cost a*s^2+b*s with a=%.3g, b=%.3g)",
