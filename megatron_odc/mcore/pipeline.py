@@ -35,7 +35,11 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_odc.core.engine import ODCEngine
-from megatron_odc.transport.devices import all_reduce_on_group_device, collective_device
+from megatron_odc.transport.devices import (
+    all_reduce_on_group_device,
+    collective_device,
+    every_rank_int,
+)
 
 
 def shared_embedding_names(named_params: list[tuple[str, torch.nn.Parameter, str]]) -> list[str]:
@@ -124,11 +128,8 @@ def agree_pipeline_count(count: int, *, unplanned: int | None = None) -> int:
     stages = parallel_state.get_pipeline_model_parallel_world_size()
     if stages <= 1:
         return count
-    group = parallel_state.get_pipeline_model_parallel_group()
-    counts = torch.zeros(stages, dtype=torch.int64, device=collective_device(group))
-    counts[parallel_state.get_pipeline_model_parallel_rank()] = count
-    all_reduce_on_group_device(counts, group=group)
-    planned = [(stage, c) for stage, c in enumerate(counts.tolist()) if c != unplanned]
+    counts = every_rank_int(count, parallel_state.get_pipeline_model_parallel_group())
+    planned = [(stage, c) for stage, c in enumerate(counts) if c != unplanned]
     if len({c for _, c in planned}) > 1:
         listed = ", ".join(f"stage {stage}: {c}" for stage, c in planned)
         raise ValueError(

@@ -43,3 +43,16 @@ def all_reduce_on_group_device(
     dist.all_reduce(moved, op=op, group=group)
     tensor.copy_(moved)
     return tensor
+
+
+def every_rank_int(value: int, group: dist.ProcessGroup | None = None) -> list[int]:
+    """Each rank's ``value``, in group-rank order, on every rank of ``group`` (one small all-reduce
+    on the group's device: every rank writes its own slot of a zero vector)."""
+    if not dist.is_initialized():
+        return [int(value)]
+    values = torch.zeros(
+        dist.get_world_size(group), dtype=torch.int64, device=collective_device(group)
+    )
+    values[dist.get_rank(group)] = int(value)
+    all_reduce_on_group_device(values, group=group)
+    return values.tolist()

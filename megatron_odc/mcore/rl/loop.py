@@ -44,7 +44,7 @@ from megatron_odc.mcore.backends import build_backend
 from megatron_odc.mcore.config import LOCKSTEP_TRANSPORT, ODC_ENGINE_BACKENDS, ODCConfig
 from megatron_odc.mcore.optimizer import check_optimizer_config
 from megatron_odc.mcore.step import forward_backward
-from megatron_odc.transport.devices import all_reduce_on_group_device, collective_device
+from megatron_odc.transport.devices import every_rank_int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,14 +211,9 @@ def check_lockstep_counts(model: Any, num_microbatches: Any) -> None:
     odc_config = getattr(model, "odc_config", None)
     if odc_config is None or odc_config.transport != LOCKSTEP_TRANSPORT:
         return
-    group = model.dp_group
-    counts = torch.zeros(
-        torch.distributed.get_world_size(group), dtype=torch.int64, device=collective_device(group)
-    )
-    counts[torch.distributed.get_rank(group)] = int(num_microbatches or 0)
-    all_reduce_on_group_device(counts, group=group)
-    if len(set(counts.tolist())) > 1:
-        listed = ", ".join(f"DP rank {r}: {c}" for r, c in enumerate(counts.tolist()))
+    counts = every_rank_int(int(num_microbatches or 0), model.dp_group)
+    if len(set(counts)) > 1:
+        listed = ", ".join(f"DP rank {r}: {c}" for r, c in enumerate(counts))
         raise ValueError(
             f"the fsdp backend runs every bucket as a collective, so every DP rank must run the same "
             f"number of microbatches; got {listed}. Use the odc backend (any count per rank, 0 "
