@@ -19,8 +19,11 @@ row                 what runs
                     imbalance against LB-Mini's, in ODC's log line)
 ``odc_lb_mini_``    ``--dp-backend odc --balance-cost measured``: LB-Mini planned with the cost model timed
 ``measured``        at start-up on this machine, a fixed cost per microbatch included
-``fsdp2``           ``--use-torch-fsdp2`` (Megatron-LM's ZeRO-3 peer), Megatron-LM's sampler: tried; a row that
-                    does not run on CPU is reported with its error line
+``fsdp2``           ``--use-torch-fsdp2`` (Megatron-LM's ZeRO-3 peer, at ODC's memory: parameters, gradients
+                    and optimizer state sharded over DP), Megatron-LM's sampler, the mean loss (its wrapper
+                    does not divide per-token gradients by the token count). Runs on CPU with
+                    ``core_v0.19.0``; the launcher refuses it with earlier tags, whose megatron-core
+                    wrapper fails at the first step on every device: the row reports that line
 ==================  =========================================================================================
 
 Each round runs every row once, in order, on the same data (``--rounds`` rounds: paired under the
@@ -80,7 +83,8 @@ ROWS = {
     "fsdp2": (
         "--use-torch-fsdp2",
         "--untie-embeddings-and-output-weights",  # Megatron-LM asserts it with FSDP2
-        "--calculate-per-token-loss",
+        # no --calculate-per-token-loss: Megatron-LM's FSDP2 wrapper leaves scale_gradients a
+        # no-op, so its per-token gradients would not be divided by the token count
     ),
 }
 

@@ -120,3 +120,44 @@ def test_defaults_of_every_tag_are_not_refused() -> None:
         optimizer_cpu_offload=False,
     )
     assert postprocess_odc_args(args).calculate_per_token_loss
+
+
+def test_torch_fsdp2_refused_where_its_wrapper_fails_or_trains_wrong(monkeypatch) -> None:
+    """Megatron-LM's own ``--use-torch-fsdp2`` (no ``--dp-backend``) stops at parse time, in one line,
+    where megatron-core's wrapper cannot take ``finalize_model_grads``' call or leaves per-token
+    gradients undivided; a wrapper without those defects passes (classes patched to each case)."""
+    import sys
+
+    from megatron.core.distributed.torch_fully_sharded_data_parallel import (
+        TorchFullyShardedDataParallel as Wrapper,
+    )
+
+    from megatron_odc.integration.megatron_lm.flags import wrap_parse_args
+
+    def args(per_token: bool, fsdp2: bool = True) -> argparse.Namespace:
+        return argparse.Namespace(use_torch_fsdp2=fsdp2, calculate_per_token_loss=per_token)
+
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py"])
+    given: list[argparse.Namespace] = []
+    parse_args = wrap_parse_args(lambda provider, ignore_unknown: given.pop())
+
+    def parsed(namespace: argparse.Namespace) -> argparse.Namespace:
+        given.append(namespace)
+        return parse_args()
+
+    monkeypatch.setattr(Wrapper, "finish_grad_sync", lambda self: None)  # megatron-core <= 0.18
+    with pytest.raises(ValueError, match=r"--use-torch-fsdp2 .*takes no force_all_reduce"):
+        parsed(args(per_token=False))
+    assert parsed(args(per_token=True, fsdp2=False)).calculate_per_token_loss  # not asked for
+
+    monkeypatch.setattr(Wrapper, "finish_grad_sync", lambda self, force_all_reduce=False: None)
+    mean = args(per_token=False)
+    assert parsed(mean) is mean
+    with pytest.raises(ValueError, match="never divided by the token count") as refused:
+        parsed(args(per_token=True))
+    assert "drop --calculate-per-token-loss" in str(refused.value)
+    assert "force_all_reduce" not in str(refused.value)
+
+    monkeypatch.setattr(Wrapper, "scale_gradients", lambda self, factor: None, raising=False)
+    per_token = args(per_token=True)
+    assert parsed(per_token) is per_token

@@ -14,6 +14,8 @@ import logging
 from typing import Any
 
 import torch
+from megatron.core import parallel_state
+from megatron.core.distributed import torch_fully_sharded_data_parallel as torch_fsdp2
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +52,17 @@ def _noop(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+class _CpuDeviceMesh:
+    """``DeviceMesh`` for megatron-core's torch FSDP2 wrapper, which builds its mesh as
+    ``DeviceMesh.from_group(group, "cuda")``: on CPU the mesh is a CPU one (gloo)."""
+
+    @staticmethod
+    def from_group(group: Any, device_type: str, *args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        return DeviceMesh.from_group(group, "cpu", *args, **kwargs)
+
+
 def _shim_values() -> dict[str, Any]:
     return {
         "cuda.is_available": lambda: True,
@@ -66,6 +79,10 @@ def _shim_values() -> dict[str, Any]:
         "initialize.set_jit_fusion_options": _noop,
         "training.set_jit_fusion_options": _noop,
         "initialize._compile_dependencies": _noop,
+        # gloo takes no NCCL options; Megatron-LM asks for them for its high-priority-stream
+        # groups (with --use-torch-fsdp2 always: 'dp_cp').
+        "parallel_state.get_nccl_options": _noop,
+        "torch_fsdp2.DeviceMesh": _CpuDeviceMesh,
     }
 
 
@@ -86,6 +103,8 @@ def cpu_shims(initialize: Any, training: Any, names: tuple[str, ...] = CPU_SHIMS
         "accelerator": getattr(torch, "accelerator", None),
         "initialize": initialize,
         "training": training,
+        "parallel_state": parallel_state,
+        "torch_fsdp2": torch_fsdp2,
     }
     values = _shim_values()
     shims = []

@@ -29,6 +29,7 @@ import torch
 from megatron_odc.balance.plan import EQUAL_COUNT_PLAN_KINDS, PLAN_KINDS
 from megatron_odc.core.fp8 import check_fp8_flags
 from megatron_odc.integration.megatron_lm.sft import apply_sft_args
+from megatron_odc.integration.megatron_lm.torch_fsdp2 import refuse_broken_torch_fsdp2
 from megatron_odc.mcore.config import ODC_ENGINE_BACKENDS, refuse_unsupported
 from megatron_odc.runner.launch_env import apply_launch_env
 from megatron_odc.runner.odc_flags import MEGATRON_SAMPLER, add_odc_arguments, resolve_odc_args
@@ -356,7 +357,8 @@ def _per_token_loss(args: argparse.Namespace, because: str) -> None:
 
 def wrap_parse_args(original: Callable) -> Callable:
     """``parse_args`` with ODC's flags added and :func:`postprocess_odc_args` applied, after
-    :func:`apply_megatron_lm_launch_env` for the ``sys.argv`` it parses."""
+    :func:`apply_megatron_lm_launch_env` for the ``sys.argv`` it parses; ``--use-torch-fsdp2``
+    refused where the installed wrapper would fail or train wrong (``torch_fsdp2.py``)."""
 
     @functools.wraps(original)
     def parse_args(extra_args_provider=None, ignore_unknown_args=False):
@@ -367,7 +369,8 @@ def wrap_parse_args(original: Callable) -> Callable:
                 parser = extra_args_provider(parser)
             return add_odc_args(parser)
 
-        return postprocess_odc_args(apply_sft_args(original(provider, ignore_unknown_args)))
+        args = apply_sft_args(original(provider, ignore_unknown_args))
+        return refuse_broken_torch_fsdp2(postprocess_odc_args(args))
 
     parse_args.__megatron_odc_original__ = original
     return parse_args

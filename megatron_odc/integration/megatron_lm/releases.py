@@ -212,6 +212,8 @@ _CPU_SHIMS = (
     "initialize.set_jit_fusion_options",
     "training.set_jit_fusion_options",
     "initialize._compile_dependencies",
+    "parallel_state.get_nccl_options",
+    "torch_fsdp2.DeviceMesh",
 )
 _CPU_SHIMS_017 = (*_CPU_SHIMS, "accelerator.is_available")
 """From 0.17 (Python 3.12, torch's CUDA build): torch.accelerator would report CUDA on CPU."""
@@ -230,6 +232,9 @@ class MegatronLmRelease:
         signatures: ``"module.attr"`` -> parameter names of each patch point and swapped class.
         cpu_shims: names of the Megatron-LM CPU shims it needs (``cpu_shims.CPU_SHIMS``), in order.
         model_builders: where the tag wraps model chunks in its DDP, for people (each is a patch point).
+        sft_tokenizer: the module whose ``SFTTokenizer`` indexes ``apply_chat_template(...)[0]``
+            (transformers 4's result) and needs ``sft.sft_tokenizer_adapter`` under transformers 5;
+            None where the tag reads both results itself (from ``core_v0.18.2``).
         notes: what changed against the previous row.
     """
 
@@ -240,6 +245,7 @@ class MegatronLmRelease:
     signatures: Mapping[str, tuple[str, ...]]
     cpu_shims: tuple[str, ...]
     model_builders: tuple[str, ...]
+    sft_tokenizer: str | None = None
     notes: str = ""
 
 
@@ -252,6 +258,7 @@ MEGATRON_LM_RELEASES: tuple[MegatronLmRelease, ...] = (
         signatures=_SIGNATURES_016,
         cpu_shims=_CPU_SHIMS,
         model_builders=(f"{_TRAINING}.get_model",),
+        sft_tokenizer="megatron.training.tokenizer.sft_tokenizer",
     ),
     MegatronLmRelease(
         tag="core_v0.17.1",
@@ -261,8 +268,9 @@ MEGATRON_LM_RELEASES: tuple[MegatronLmRelease, ...] = (
         signatures=_SIGNATURES_016,
         cpu_shims=_CPU_SHIMS_017,
         model_builders=(f"{_TRAINING}.get_model",),
+        sft_tokenizer="megatron.core.tokenizers.text.libraries.sft_tokenizer",
         notes="the megatron-core wheel ships megatron/training (the launcher puts the checkout first); "
-        "free_overlap_buffers() on every chunk before a save",
+        "free_overlap_buffers() on every chunk before a save; SFTTokenizer moves to megatron-core",
     ),
     MegatronLmRelease(
         tag="core_v0.18.2",
