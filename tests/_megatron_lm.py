@@ -25,6 +25,10 @@ from megatron_odc.integration.megatron_lm.releases import (
     release_for_series,
     supported_tags_text,
 )
+from megatron_odc.integration.megatron_lm.sft_example import (
+    write_chats_of_lengths,
+    write_tokenizer,
+)
 from tests._mpi import mpi_env, mpiexec_command
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -43,6 +47,29 @@ MODEL_ARGS = tuple(
 """A tiny GPT on mock data, dropout off (runs with other sample-to-rank splits stay comparable)."""
 E2E_ARGS = (*MODEL_ARGS, *(word for flag in CPU_FLAGS for word in flag))
 """:data:`MODEL_ARGS` with Megatron-LM's CPU flags spelled out."""
+
+SFT_SKEWED = [70, 70, 70, 50, 50, 50, 50, 10]
+"""The real lengths of every global batch of 8 in :func:`sft_args`' JSONL: three records of 70 tokens
+never pair under the 128-token cap, the 50s and the 10 do, so LB-Mini's equal costs need counts 3
+and 2 on every step, while LB-Micro gives 2 and 2."""
+
+
+def sft_args(data: Path) -> tuple[str, ...]:
+    """``pretrain_gpt.py --sft`` arguments (4 iterations, the CPU flags) over a word-level tokenizer
+    and a JSONL of :data:`SFT_SKEWED` lengths written to ``data``."""
+    write_tokenizer(data / "tokenizer")
+    write_chats_of_lengths(data / "chats.jsonl", SFT_SKEWED * 6, seed=1)
+    model = shlex.split(
+        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 "
+        "--max-position-embeddings 128 --micro-batch-size 1 --global-batch-size 8 --train-iters 4 "
+        "--lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 1 --weight-decay 0.01 "
+        "--clip-grad 1.0 --seed 1234 --split 100,0,0 --eval-iters 0 --eval-interval 1000 "
+        "--log-interval 1 --hidden-dropout 0 --attention-dropout 0 --sft "
+        "--tokenizer-type SFTTokenizer"
+    )
+    paths = ["--data-path", str(data / "chats.jsonl"), "--tokenizer-model", str(data / "tokenizer")]
+    return (*model, *paths, *(word for flag in CPU_FLAGS for word in flag))
+
 
 _LOSS_RE = re.compile(r"iteration\s+(\d+)/.*?lm loss: ([0-9.E+-]+)")
 
@@ -106,7 +133,7 @@ def _free_port() -> int:
 
 
 def pretrain_gpt_losses(
-    backend: str,
+    backend: str | None,
     cwd: Path,
     *extra: str,
     iterations: range = range(1, 7),
@@ -118,7 +145,8 @@ def pretrain_gpt_losses(
     log_holds: tuple[str, ...] = (),
     launch: str = "pretrain_gpt.py",
 ) -> dict[int, float]:
-    """``{iteration: lm loss}`` of an ``nproc``-rank CPU run of ``pretrain_gpt.py --dp-backend backend``.
+    """``{iteration: lm loss}`` of an ``nproc``-rank CPU run of ``pretrain_gpt.py --dp-backend backend``
+    (``backend`` None: no ``--dp-backend``, Megatron-LM's own choice from its flags).
 
     Through ``python -m megatron_odc.launch`` by default; ``script`` runs that file itself instead
     (a patched Megatron-LM tree's, without the launcher). Under torchrun, or with ``mpiexec`` under
@@ -127,7 +155,7 @@ def pretrain_gpt_losses(
     ``launch`` is the script the launcher runs (a stand-in instead of ``pretrain_gpt.py``).
     """
     main = [str(script)] if script else ["-m", "megatron_odc.launch", launch]
-    main += [*args, "--dp-backend", backend, *extra]
+    main += [*args, *(("--dp-backend", backend) if backend else ()), *extra]
     if mpiexec:
         cmd = mpiexec_command(nproc, main)
         ranks_env = mpi_env({"CUDA_DEVICE_MAX_CONNECTIONS": "1", **(env or {})})

@@ -31,7 +31,7 @@ from megatron_odc.integration.megatron_lm.source_hooks import (
     odc_patch_point,
     patch_point_line,
 )
-from tests._megatron_lm import MODEL_ARGS, REPO_ROOT, pretrain_gpt_losses
+from tests._megatron_lm import MODEL_ARGS, REPO_ROOT, pretrain_gpt_losses, sft_args
 
 CPU_HOOK_CALL = "cpu_runtime()"
 
@@ -212,3 +212,20 @@ def test_patched_pretrain_gpt_equals_the_launcher(megatron_lm_path, tmp_path) ->
     for it, loss in launcher.items():
         assert patched[it] == pytest.approx(loss, rel=1e-5), (it, patched, launcher)
     assert launcher[1] != launcher[6]  # training moved
+
+
+@pytest.mark.timeout(600)
+def test_patched_pretrain_gpt_sft_equals_the_launcher(megatron_lm_path, tmp_path) -> None:
+    """``--sft`` through the patched tree, where no launcher adapts ``core_v0.16.1``'s
+    ``SFTTokenizer`` to transformers 5: ``--sft``'s argument handling does."""
+    fork = _patched_copy(megatron_lm_path, tmp_path / "megatron-lm")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    args = sft_args(tmp_path / "data")
+    iterations = range(1, 5)
+    patched = pretrain_gpt_losses(
+        "odc", run_dir, args=args, script=fork / "pretrain_gpt.py", iterations=iterations
+    )
+    launcher = pretrain_gpt_losses("odc", run_dir, args=args, iterations=iterations)
+    assert patched == launcher
+    assert launcher[1] != launcher[4]  # training moved

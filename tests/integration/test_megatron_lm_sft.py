@@ -8,9 +8,11 @@ and the ODC backends set. The end-to-end runs through the real ``pretrain_gpt.py
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import logging
 import os
+import sys
 import types
 
 import pytest
@@ -284,6 +286,43 @@ def test_sft_tokenizer_adapter_gives_transformers_4_ids(tmp_path) -> None:
     assert len(adapted.apply_chat_template(turn, tokenize=True, chat_template=template)) == 5
     assert len(adapted) == len(hf)
     assert adapted.eos_token_id == hf.eos_token_id
+
+
+def test_sft_tokenizer_adapter_reaches_a_patched_source_once(monkeypatch) -> None:
+    """A patched Megatron-LM source has no launcher to adapt its ``SFTTokenizer``: ``--sft``'s
+    argument handling does, for the rest of the process, and not a second time where the launcher's
+    adapter is already on (a stand-in module in the tag's place)."""
+    from megatron_odc.integration.megatron_lm import sft
+
+    class SFTTokenizer:
+        def __init__(self, tokenizer) -> None:
+            self._tokenizer = tokenizer
+
+    from megatron_odc.integration.megatron_lm import version
+    from megatron_odc.integration.megatron_lm.releases import MEGATRON_LM_RELEASES
+
+    release = MEGATRON_LM_RELEASES[0]
+    module = types.ModuleType(release.sft_tokenizer)
+    module.SFTTokenizer = SFTTokenizer
+    monkeypatch.setitem(sys.modules, release.sft_tokenizer, module)
+    monkeypatch.setattr(version, "installed_megatron_lm_release", lambda: release)
+    monkeypatch.setattr(sft, "_PROCESS_SCOPE", contextlib.ExitStack())
+    original = SFTTokenizer.__init__
+    try:
+        sft.apply_sft_args(_args(sft=False))
+        assert SFTTokenizer.__init__ is original  # without --sft nothing changes
+        with sft.sft_tokenizer_adapter(release.sft_tokenizer):  # the launcher's
+            launcher_init = SFTTokenizer.__init__
+            sft.apply_sft_args(_args())
+            assert SFTTokenizer.__init__ is launcher_init
+        assert SFTTokenizer.__init__ is original
+        sft.apply_sft_args(_args())  # a patched source: no launcher around
+        sft.apply_sft_args(_args())
+        assert SFTTokenizer.__init__.__megatron_odc_original__ is original
+        assert isinstance(SFTTokenizer(object())._tokenizer, sft.ChatTemplateIds)
+    finally:
+        sft._PROCESS_SCOPE.close()
+    assert SFTTokenizer.__init__ is original
 
 
 def _args(*flags: str, **kw) -> argparse.Namespace:

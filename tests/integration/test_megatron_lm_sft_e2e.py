@@ -4,43 +4,19 @@ global batch's records by their real lengths and gives the DP replicas uneven co
 equal Megatron-LM's DDP with ``--calculate-per-token-loss`` (one record per microbatch, padded to
 ``--seq-length``: what a user runs today) to 1e-5, at DP=2, TP=2 x DP=2 and PP=2 x DP=2.
 
-The data is made at run time (``sft_example.py``): a word-level tokenizer and a JSONL whose every
-global batch of 8 has the real lengths ``SKEWED`` (three records of 70 tokens never pair under the
-128-token cap, the 50s and the 10 do), so LB-Mini's equal costs need counts 3 and 2 on every step,
-while LB-Micro gives 2 and 2.
+The data is made at run time (``tests._megatron_lm.sft_args``): a word-level tokenizer and a JSONL
+whose every global batch of 8 has the real lengths ``SFT_SKEWED``, for which LB-Mini's equal costs
+need counts 3 and 2 on every step, while LB-Micro gives 2 and 2. Megatron-LM's own ZeRO-3 peer (``--use-torch-fsdp2``) runs on CPU and
+equals its DDP on the same data.
 """
 
 from __future__ import annotations
 
-import shlex
-from pathlib import Path
-
 import pytest
 
-from megatron_odc.integration.megatron_lm.flags import CPU_FLAGS
-from megatron_odc.integration.megatron_lm.sft_example import (
-    write_chats_of_lengths,
-    write_tokenizer,
-)
-from tests._megatron_lm import megatron_lm_tag, pretrain_gpt_losses
+from tests._megatron_lm import megatron_lm_tag, pretrain_gpt_losses, sft_args
 
-SKEWED = [70, 70, 70, 50, 50, 50, 50, 10]
 ITERATIONS = range(1, 5)
-
-
-def _sft_args(data: Path) -> tuple[str, ...]:
-    write_tokenizer(data / "tokenizer")
-    write_chats_of_lengths(data / "chats.jsonl", SKEWED * 6, seed=1)
-    model = shlex.split(
-        "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 128 "
-        "--max-position-embeddings 128 --micro-batch-size 1 --global-batch-size 8 --train-iters 4 "
-        "--lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 1 --weight-decay 0.01 "
-        "--clip-grad 1.0 --seed 1234 --split 100,0,0 --eval-iters 0 --eval-interval 1000 "
-        "--log-interval 1 --hidden-dropout 0 --attention-dropout 0 --sft "
-        "--tokenizer-type SFTTokenizer"
-    )
-    paths = ["--data-path", str(data / "chats.jsonl"), "--tokenizer-model", str(data / "tokenizer")]
-    return (*model, *paths, *(word for flag in CPU_FLAGS for word in flag))
 
 
 LAYOUTS = {
@@ -60,7 +36,7 @@ def test_sft_odc_lb_mini_equals_ddp_per_token(megatron_lm_path, tmp_path, layout
             "other ranks receive None (then read it as cu_seqlens' length): --sft with TP > 1 "
             "fails there with either backend (checked: --dp-backend ddp dies the same way)"
         )
-    args = _sft_args(tmp_path)
+    args = sft_args(tmp_path)
     holds = [
         "train split: BalancedPretrainingLoader (--balance lb_mini, 32 records with real lengths",
         "set --calculate-per-token-loss",
@@ -94,7 +70,7 @@ def test_sft_odc_lb_mini_equals_ddp_per_token(megatron_lm_path, tmp_path, layout
 def test_sft_ddp_with_lb_micro_packing_has_equal_counts(megatron_lm_path, tmp_path) -> None:
     """The packing baseline: Megatron-LM's DDP fed the balanced loader's LB-Micro plan (equal
     counts, 2 and 2) trains the same model."""
-    args = _sft_args(tmp_path)
+    args = sft_args(tmp_path)
     micro = pretrain_gpt_losses(
         "ddp",
         tmp_path,
@@ -109,3 +85,29 @@ def test_sft_ddp_with_lb_micro_packing_has_equal_counts(megatron_lm_path, tmp_pa
     )
     for it, loss in ddp.items():
         assert micro[it] == pytest.approx(loss, rel=1e-5), (it, micro, ddp)
+
+
+@pytest.mark.timeout(600)
+def test_sft_megatron_lm_torch_fsdp2_runs_on_cpu_and_equals_ddp(megatron_lm_path, tmp_path) -> None:
+    """The ZeRO-3 peer of ``benchmarks/megatron_lm_sft.py``: Megatron-LM's ``--use-torch-fsdp2`` runs
+    on CPU ranks under the launcher's CPU shims (gloo takes no NCCL options; its device mesh is a CPU
+    one) and trains what Megatron-LM's DDP trains (the mean loss: its wrapper's ``scale_gradients``
+    is a no-op, so per-token gradients would not be divided by the token count)."""
+    from megatron_odc.integration.megatron_lm.torch_fsdp2 import torch_fsdp2_defects
+
+    defects = torch_fsdp2_defects(calculate_per_token_loss=False)
+    if defects:  # megatron-core <= 0.18: the launcher refuses the flag (test_megatron_lm_flags.py)
+        pytest.skip(f"megatron-core's TorchFullyShardedDataParallel: {defects[0]}")
+    args = (*sft_args(tmp_path), "--untie-embeddings-and-output-weights")
+    fsdp2 = pretrain_gpt_losses(
+        None,
+        tmp_path,
+        "--use-torch-fsdp2",
+        args=args,
+        iterations=ITERATIONS,
+        env={"CUDA_DEVICE_MAX_CONNECTIONS": "8"},  # Megatron-LM asserts it > 1 with FSDP
+    )
+    ddp = pretrain_gpt_losses("ddp", tmp_path, args=args, iterations=ITERATIONS)
+    for it, loss in ddp.items():
+        assert fsdp2[it] == pytest.approx(loss, rel=1e-5), (it, fsdp2, ddp)
+    assert ddp[1] != ddp[4]  # training moved

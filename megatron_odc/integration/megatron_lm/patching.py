@@ -259,9 +259,9 @@ def apply_megatron_lm_patches(*, cpu: bool = False) -> MegatronLmPatches:
                 continue
             owner = importlib.import_module(point.module)
             handle._patch(owner, point.attr, point.wrap(original, owner))
-        # transformers 5 under core_v0.16.1's SFTTokenizer (sft.py); not a patch point: the class is
-        # only reached with --sft, and later tags have none.
-        handle._scoped.enter_context(sft_tokenizer_adapter())
+        # transformers 5 under the tag's SFTTokenizer (sft.py); not a patch point: the class is
+        # only reached with --sft, and from core_v0.18.2 it needs no adapter.
+        handle._scoped.enter_context(sft_tokenizer_adapter(release.sft_tokenizer))
     except BaseException:
         handle.revert()
         raise

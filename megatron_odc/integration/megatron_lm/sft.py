@@ -7,13 +7,16 @@ adapter of its ``SFTTokenizer``.
   a bare ``AssertionError: Tokenizer path must be specified``), and ``SFTDataset`` asserts that no
   attention mask is built in the data loader (its samples carry ``cu_seqlens``). Both are set, with
   one log line, when ``--sft`` is given.
-- :func:`sft_tokenizer_adapter`: ``core_v0.16.1``'s ``SFTTokenizer`` indexes
-  ``apply_chat_template(..., return_tensors="np")[0]`` and takes ``len()`` of the per-turn result,
-  which is transformers 4's token-id array / list; transformers 5 returns a ``BatchEncoding`` by
-  default (``'tokenizers.Encoding' object has no attribute 'copy'``). The adapter wraps the tokenizer's
-  Hugging Face tokenizer so that ``apply_chat_template`` defaults to ``return_dict=False`` (the
-  transformers 4 result; a caller's explicit ``return_dict`` wins). Later tags build the SFT tokenizer
-  in megatron-core, which handles both (no adapter there).
+- :func:`sft_tokenizer_adapter`: the ``SFTTokenizer`` of ``core_v0.16.1`` (``megatron.training``) and
+  of megatron-core 0.17 indexes ``apply_chat_template(..., return_tensors="np")[0]`` and takes
+  ``len()`` of the per-turn result, which is transformers 4's token-id array / list; transformers 5
+  returns a ``BatchEncoding`` by default (``'tokenizers.Encoding' object has no attribute 'copy'``).
+  The adapter wraps the tokenizer's Hugging Face tokenizer so that ``apply_chat_template`` defaults to
+  ``return_dict=False`` (the transformers 4 result; a caller's explicit ``return_dict`` wins). The
+  release row names the module (``MegatronLmRelease.sft_tokenizer``); from ``core_v0.18.2`` the
+  tokenizer reads both results itself (no adapter). The launcher applies it with its patches;
+  a patched Megatron-LM source (``patches/``, no launcher) gets it from :func:`apply_sft_args`, for
+  the rest of the process, on every device.
 """
 
 from __future__ import annotations
@@ -28,15 +31,21 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-SFT_TOKENIZER_MODULE = "megatron.training.tokenizer.sft_tokenizer"
-"""Where ``core_v0.16.1`` defines ``SFTTokenizer`` (later tags have no such module)."""
+_PROCESS_SCOPE = contextlib.ExitStack()
+"""Holds the adapter :func:`apply_sft_args` enters for the rest of the process."""
 
 
 def apply_sft_args(args: argparse.Namespace) -> argparse.Namespace:
     """With ``--sft``: ``--legacy-tokenizer`` (where the tag has it) and
-    ``--no-create-attention-mask-in-dataloader``, logged once; nothing otherwise."""
+    ``--no-create-attention-mask-in-dataloader``, logged once, and :func:`sft_tokenizer_adapter`
+    for the rest of the process unless it is already applied (the launcher's); nothing otherwise."""
     if not getattr(args, "sft", False):
         return args
+    from megatron_odc.integration.megatron_lm.version import installed_megatron_lm_release
+
+    _PROCESS_SCOPE.enter_context(
+        sft_tokenizer_adapter(installed_megatron_lm_release().sft_tokenizer)
+    )
     changed = []
     if hasattr(args, "legacy_tokenizer") and not args.legacy_tokenizer:
         args.legacy_tokenizer = True
@@ -85,20 +94,28 @@ def _wrap_init(original: Any) -> Any:
                 "Megatron-LM's SFTTokenizer expects under transformers 5"
             )
 
+    init.__megatron_odc_original__ = original
     return init
 
 
 @contextlib.contextmanager
-def sft_tokenizer_adapter() -> Iterator[bool]:
-    """``SFTTokenizer.__init__`` wraps its tokenizer in :class:`ChatTemplateIds` inside the block;
-    yields whether the tag has that ``SFTTokenizer`` (nothing is changed where it does not)."""
+def sft_tokenizer_adapter(module_name: str | None) -> Iterator[bool]:
+    """``module_name.SFTTokenizer.__init__`` wraps its tokenizer in :class:`ChatTemplateIds` inside
+    the block; yields whether there is such a class to adapt (nothing is changed where ``module_name``
+    is None or not importable, nor where an enclosing block already adapted it)."""
+    if module_name is None:
+        yield False
+        return
     try:
-        module = importlib.import_module(SFT_TOKENIZER_MODULE)
+        module = importlib.import_module(module_name)
     except ImportError:
         yield False
         return
     cls = module.SFTTokenizer
     original = cls.__dict__["__init__"]
+    if hasattr(original, "__megatron_odc_original__"):
+        yield True
+        return
     cls.__init__ = _wrap_init(original)
     try:
         yield True
