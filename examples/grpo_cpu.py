@@ -237,7 +237,7 @@ class MeasuredCost:
 def measured_cost(settings: Settings, longest: int) -> MeasuredCost:
     """Times one-sample microbatches up to ``longest`` tokens on a fresh policy-shaped GPT (every
     rank, averaged) and fits ``a * s**2 + b * s`` per sample plus a fixed cost per microbatch."""
-    from megatron_odc.balance import CostModel
+    from megatron_odc.balance.cost import CostModel, describe_fit
     from megatron_odc.mcore.cost_probe import probe_lengths, time_microbatches
     from megatron_odc.mcore.model import build_gpt_model
 
@@ -245,11 +245,7 @@ def measured_cost(settings: Settings, longest: int) -> MeasuredCost:
     model = build_gpt_model(gpt_config(settings, longest), seed=7)
     seconds = time_microbatches(model, lengths, vocab_size=settings.vocab_size)
     cost_model, microbatch_s = CostModel.fit(lengths, seconds)
-    probes = ", ".join(f"{s}: {t * 1e3:.1f} ms" for s, t in zip(lengths, seconds, strict=True))
-    line = (
-        f"a={cost_model.a:.3g} s/token^2, b={cost_model.b:.3g} s/token, "
-        f"{microbatch_s * 1e3:.1f} ms per microbatch (forward+backward of {probes})"
-    )
+    line = describe_fit(cost_model, microbatch_s, lengths, seconds)
     return MeasuredCost(cost_model, microbatch_s, line)
 
 

@@ -46,7 +46,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-__all__ = ["CostModel"]
+__all__ = ["CostModel", "describe_fit"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,6 +182,17 @@ class CostModel:
     def tokens(cls) -> CostModel:
         """Returns the plain token-count model (``a = 0``, ``b = 1``)."""
         return cls(a=0.0, b=1.0)
+
+
+def describe_fit(
+    model: CostModel, microbatch_s: float, lengths: Sequence[int], seconds: Sequence[float]
+) -> str:
+    """One line for a :meth:`CostModel.fit` result in seconds and the timings it was fitted to."""
+    probes = ", ".join(f"{s}: {t * 1e3:.1f} ms" for s, t in zip(lengths, seconds, strict=True))
+    return (
+        f"a={model.a:.3g} s/token^2, b={model.b:.3g} s/token, {microbatch_s * 1e3:.1f} ms per "
+        f"microbatch (forward+backward of one sample of {probes})"
+    )
 
 
 def _least_squares(rows: list[list[float]]) -> list[float]:

@@ -173,3 +173,17 @@ def test_fit_drops_a_negative_term_and_refits_the_rest() -> None:
 def test_fit_refuses_timings_it_cannot_use(lengths, seconds, match) -> None:
     with pytest.raises(ValueError, match=match):
         CostModel.fit(lengths, seconds)
+
+
+def test_describe_fit_gives_the_fit_and_its_timings_in_one_line() -> None:
+    from megatron_odc.balance.cost import describe_fit
+
+    lengths, seconds = [32, 128, 512], [0.0102, 0.0138, 0.0302]
+    model, fixed = CostModel.fit(lengths, seconds)
+    line = describe_fit(model, fixed, lengths, seconds)
+    assert line.startswith(f"a={model.a:.3g} s/token^2, b={model.b:.3g} s/token, ")
+    assert f"{fixed * 1e3:.1f} ms per microbatch" in line
+    assert line.endswith(
+        "(forward+backward of one sample of 32: 10.2 ms, 128: 13.8 ms, 512: 30.2 ms)"
+    )
+    assert "\n" not in line

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from megatron_odc.balance import CostModel
+from megatron_odc.balance.cost import CostModel, describe_fit
 
 logger = logging.getLogger(__name__)
 
@@ -62,13 +62,8 @@ def balance_cost(args: Any, cap_tokens: int) -> tuple[CostModel, float]:
     seconds = time_microbatches(model, lengths, vocab_size=vocab_size)
     del model
     cost_model, microbatch_s = CostModel.fit(lengths, seconds)
-    probes = ", ".join(f"{s}: {t * 1e3:.1f} ms" for s, t in zip(lengths, seconds, strict=True))
     logger.info(
-        "--balance-cost measured: a=%.3g s/token^2, b=%.3g s/token, %.1f ms per microbatch "
-        "(forward+backward of one sample of %s, mean over every rank)",
-        cost_model.a,
-        cost_model.b,
-        microbatch_s * 1e3,
-        probes,
+        "--balance-cost measured (mean over every rank): %s",
+        describe_fit(cost_model, microbatch_s, lengths, seconds),
     )
     return cost_model, microbatch_s
