@@ -47,42 +47,50 @@ def time_microbatches(
     ``model`` is a plain megatron-core ``GPTModel`` (not wrapped by a DP backend, whose gradient
     hooks would move or sum the probes' gradients), on the device it trains on, with the attention
     it trains with: every probe is a packed THD microbatch of one sample (``cu_seqlens``), as the
-    balanced loaders feed it. Each length runs once unmeasured, then ``repeats`` times; the median
-    counts. The parameters' ``.grad`` are reset to ``None`` and the RNG states restored afterwards.
+    balanced loaders feed it. One unmeasured round over every length, then ``repeats`` measured
+    rounds; each length's median counts. Rounds over all lengths, rather than each length's repeats
+    in a row, spread a slow spell of the machine (another job, a garbage collection) over the
+    lengths instead of charging it to one, which could make the timings shrink with the length. The
+    parameters' ``.grad`` are reset to ``None`` and the RNG states restored afterwards.
     Collective over ``group`` (every rank must call it with the same lengths): the result is the
     ranks' mean, the same on every rank, so that every rank fits the same cost model.
     """
-    from megatron.core.packed_seq_params import PackedSeqParams
-
     device = next(model.parameters()).device
-    medians = []
+    times: list[list[float]] = [[] for _ in lengths]
     with restored_rng():
-        for length in lengths:
-            tokens = torch.randint(1, vocab_size, (1, length), device=device)
-            positions = torch.arange(length, device=device).view(1, -1)
-            bounds = torch.tensor([0, length], dtype=torch.int32, device=device)
-            packed = PackedSeqParams(
-                qkv_format="thd",
-                cu_seqlens_q=bounds,
-                cu_seqlens_kv=bounds,
-                max_seqlen_q=length,
-                max_seqlen_kv=length,
-            )
-            times = []
-            for _ in range(repeats + 1):
+        probes = [_probe(length, vocab_size, device) for length in lengths]
+        for measured in [False] + [True] * repeats:
+            for i, (tokens, positions, packed) in enumerate(probes):
                 _synchronize(device)
                 start = time.perf_counter()
                 losses = model(tokens, positions, None, labels=tokens, packed_seq_params=packed)
                 losses.float().sum().backward()
                 _synchronize(device)
-                times.append(time.perf_counter() - start)
-            medians.append(statistics.median(times[1:]))
+                if measured:
+                    times[i].append(time.perf_counter() - start)
     model.zero_grad(set_to_none=True)
-    seconds = torch.tensor(medians, dtype=torch.float64)
+    seconds = torch.tensor([statistics.median(t) for t in times], dtype=torch.float64)
     if dist.is_initialized():
         dist.all_reduce(seconds, group=group)  # the same sum on every rank: the same fit
         seconds /= dist.get_world_size(group)
     return tuple(float(t) for t in seconds)
+
+
+def _probe(length: int, vocab_size: int, device: torch.device) -> tuple:
+    """``(tokens, position ids, PackedSeqParams)`` of a one-sample THD microbatch of ``length``."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    tokens = torch.randint(1, vocab_size, (1, length), device=device)
+    positions = torch.arange(length, device=device).view(1, -1)
+    bounds = torch.tensor([0, length], dtype=torch.int32, device=device)
+    packed = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=bounds,
+        cu_seqlens_kv=bounds,
+        max_seqlen_q=length,
+        max_seqlen_kv=length,
+    )
+    return tokens, positions, packed
 
 
 def _synchronize(device: torch.device) -> None:

@@ -146,8 +146,19 @@ def test_torch_fsdp2_refused_where_its_wrapper_fails_or_trains_wrong(monkeypatch
         return parse_args()
 
     monkeypatch.setattr(Wrapper, "finish_grad_sync", lambda self: None)  # megatron-core <= 0.18
-    with pytest.raises(ValueError, match=r"--use-torch-fsdp2 .*takes no force_all_reduce"):
+    with pytest.raises(
+        ValueError, match=r"--use-torch-fsdp2: .*takes no force_all_reduce"
+    ) as fails:
         parsed(args(per_token=False))
+    assert str(fails.value).endswith("or run core_v0.19.0 with megatron-core 0.19")
+    assert "\n" not in str(fails.value)
+    assert "Drop --use-torch-fsdp2 and use --dp-backend odc" in str(fails.value)
+    with pytest.raises(ValueError, match="never divided by the token count") as both:
+        parsed(args(per_token=True))  # both defects: one line, one remedy that removes both
+    assert str(both.value).endswith(
+        "run core_v0.19.0 with megatron-core 0.19 without --calculate-per-token-loss"
+    )
+    assert "\n" not in str(both.value)
     assert parsed(args(per_token=True, fsdp2=False)).calculate_per_token_loss  # not asked for
 
     monkeypatch.setattr(Wrapper, "finish_grad_sync", lambda self, force_all_reduce=False: None)
@@ -155,8 +166,9 @@ def test_torch_fsdp2_refused_where_its_wrapper_fails_or_trains_wrong(monkeypatch
     assert parsed(mean) is mean
     with pytest.raises(ValueError, match="never divided by the token count") as refused:
         parsed(args(per_token=True))
-    assert "drop --calculate-per-token-loss" in str(refused.value)
+    assert str(refused.value).endswith("or drop --calculate-per-token-loss (the mean loss)")
     assert "force_all_reduce" not in str(refused.value)
+    assert "\n" not in str(refused.value)
 
     monkeypatch.setattr(Wrapper, "scale_gradients", lambda self, factor: None, raising=False)
     per_token = args(per_token=True)

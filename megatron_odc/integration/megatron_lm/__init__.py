@@ -14,7 +14,9 @@ Split by job:
 - ``schedule``: each DP replica's planned microbatch count, including 0;
 - ``data``: the length-balanced loader of the train split;
 - ``checkpointing``: Megatron-LM's ``save_checkpoint`` / ``load_checkpoint`` of ODC chunks;
-- ``cpu_shims``: the Megatron-LM-only CPU stand-ins.
+- ``cpu_shims``: the Megatron-LM-only CPU stand-ins;
+- ``sft``: ``--sft``'s flags and the transformers-5 adapter of the tag's ``SFTTokenizer``;
+- ``torch_fsdp2``: ``--use-torch-fsdp2`` refused where megatron-core's wrapper fails or trains wrong.
 
 ``python -m megatron_odc.launch`` (``integration/launch.py``) applies the patches and runs a script.
 """

@@ -61,7 +61,13 @@ def balance_cost(args: Any, cap_tokens: int) -> tuple[CostModel, float]:
     lengths = probe_lengths(cap_tokens)
     seconds = time_microbatches(model, lengths, vocab_size=vocab_size)
     del model
-    cost_model, microbatch_s = CostModel.fit(lengths, seconds)
+    try:
+        cost_model, microbatch_s = CostModel.fit(lengths, seconds)
+    except ValueError as error:
+        raise ValueError(
+            f"--balance-cost measured: {error}; on this machine the model's microbatch times "
+            "do not resolve its cost by length: use --balance-cost flops"
+        ) from None
     logger.info(
         "--balance-cost measured (mean over every rank): %s",
         describe_fit(cost_model, microbatch_s, lengths, seconds),

@@ -1,10 +1,13 @@
 """The Megatron-LM-only CPU shims (beyond megatron-core's CPU runtime in ``integration/cpu.py``).
 
 Megatron-LM's training loop asks CUDA for devices, streams, capabilities and fused-kernel setup that
-megatron-core itself does not: :func:`cpu_shims` lists the attributes to replace with CPU stand-ins,
-which :func:`~megatron_odc.integration.megatron_lm.patching.apply_megatron_lm_patches` applies with
+megatron-core itself does not, and reaches parts of megatron-core that only its flags use (the NCCL
+options of its process groups, the device mesh of ``--use-torch-fsdp2``): :func:`cpu_shims` lists the
+attributes to replace with CPU stand-ins, which
+:func:`~megatron_odc.integration.megatron_lm.patching.apply_megatron_lm_patches` applies with
 ``cpu=True`` (``torch.cuda.is_available`` -> True, ``device_count`` -> 1, streams and ``set_device``
-no-ops, fused-kernel loading and JIT fusion setup skipped).
+no-ops, fused-kernel loading and JIT fusion setup skipped, no NCCL options on gloo, a CPU mesh for
+megatron-core's torch FSDP2 wrapper).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.distributed import torch_fully_sharded_data_parallel as torch_fsdp2
+from megatron.core.distributed import torch_fully_sharded_data_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -82,14 +85,15 @@ def _shim_values() -> dict[str, Any]:
         # gloo takes no NCCL options; Megatron-LM asks for them for its high-priority-stream
         # groups (with --use-torch-fsdp2 always: 'dp_cp').
         "parallel_state.get_nccl_options": _noop,
-        "torch_fsdp2.DeviceMesh": _CpuDeviceMesh,
+        "torch_fully_sharded_data_parallel.DeviceMesh": _CpuDeviceMesh,
     }
 
 
 CPU_SHIMS: tuple[str, ...] = tuple(_shim_values())
 """Every Megatron-LM CPU shim by name, ``"owner.attribute"`` (``cuda`` is ``torch.cuda``,
-``accelerator`` ``torch.accelerator``; ``initialize`` / ``training`` are ``megatron.training``'s modules); a release row lists the ones its tag
-needs (``releases.py``)."""
+``accelerator`` ``torch.accelerator``; ``initialize`` / ``training`` are ``megatron.training``'s modules,
+``parallel_state`` / ``torch_fully_sharded_data_parallel`` megatron-core's); a release row lists the
+ones its tag needs (``releases.py``)."""
 
 
 def cpu_shims(initialize: Any, training: Any, names: tuple[str, ...] = CPU_SHIMS) -> list:
@@ -104,7 +108,7 @@ def cpu_shims(initialize: Any, training: Any, names: tuple[str, ...] = CPU_SHIMS
         "initialize": initialize,
         "training": training,
         "parallel_state": parallel_state,
-        "torch_fsdp2": torch_fsdp2,
+        "torch_fully_sharded_data_parallel": torch_fully_sharded_data_parallel,
     }
     values = _shim_values()
     shims = []

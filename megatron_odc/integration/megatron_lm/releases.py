@@ -213,7 +213,7 @@ _CPU_SHIMS = (
     "training.set_jit_fusion_options",
     "initialize._compile_dependencies",
     "parallel_state.get_nccl_options",
-    "torch_fsdp2.DeviceMesh",
+    "torch_fully_sharded_data_parallel.DeviceMesh",
 )
 _CPU_SHIMS_017 = (*_CPU_SHIMS, "accelerator.is_available")
 """From 0.17 (Python 3.12, torch's CUDA build): torch.accelerator would report CUDA on CPU."""
@@ -245,7 +245,7 @@ class MegatronLmRelease:
     signatures: Mapping[str, tuple[str, ...]]
     cpu_shims: tuple[str, ...]
     model_builders: tuple[str, ...]
-    sft_tokenizer: str | None = None
+    sft_tokenizer: str | None
     notes: str = ""
 
 
@@ -280,6 +280,7 @@ MEGATRON_LM_RELEASES: tuple[MegatronLmRelease, ...] = (
         signatures=_SIGNATURES_018,
         cpu_shims=_CPU_SHIMS_017,
         model_builders=(f"{_TRAINING}.get_model", f"{_DIST_UTILS}._ddp_wrap"),
+        sft_tokenizer=None,
         notes="initialize no longer binds parse_args / validate_args (arguments.parse_and_validate_args"
         ", called by pretrain_gpt.py); DDP.__init__ gains full_param_layout; get_model wraps through "
         "wrap_model_chunks_with_ddp(DP=DDP); models/dist_utils._ddp_wrap (config-container builders)",
@@ -292,6 +293,7 @@ MEGATRON_LM_RELEASES: tuple[MegatronLmRelease, ...] = (
         signatures=_SIGNATURES_019,
         cpu_shims=_CPU_SHIMS_017,
         model_builders=(f"{_DIST_UTILS}._ddp_wrap", f"{_TRAINING}.get_model"),
+        sft_tokenizer=None,
         notes="pretrain_gpt.py builds the model through models/gpt.py -> dist_utils._ddp_wrap "
         "(get_model is not called); get_forward_backward_func(schedule_pg_collection); "
         "setup_model_and_optimizer(model_type, ..., cfg_container, pg_collection); "

@@ -15,8 +15,8 @@ adapter of its ``SFTTokenizer``.
   ``return_dict=False`` (the transformers 4 result; a caller's explicit ``return_dict`` wins). The
   release row names the module (``MegatronLmRelease.sft_tokenizer``); from ``core_v0.18.2`` the
   tokenizer reads both results itself (no adapter). The launcher applies it with its patches;
-  a patched Megatron-LM source (``patches/``, no launcher) gets it from :func:`apply_sft_args`, for
-  the rest of the process, on every device.
+  a patched Megatron-LM source (``patches/``, no launcher) gets it from :func:`apply_sft_args`
+  (:func:`adapt_sft_tokenizer`, for the rest of the process), on every device.
 """
 
 from __future__ import annotations
@@ -31,21 +31,16 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-_PROCESS_SCOPE = contextlib.ExitStack()
-"""Holds the adapter :func:`apply_sft_args` enters for the rest of the process."""
-
 
 def apply_sft_args(args: argparse.Namespace) -> argparse.Namespace:
     """With ``--sft``: ``--legacy-tokenizer`` (where the tag has it) and
-    ``--no-create-attention-mask-in-dataloader``, logged once, and :func:`sft_tokenizer_adapter`
-    for the rest of the process unless it is already applied (the launcher's); nothing otherwise."""
+    ``--no-create-attention-mask-in-dataloader``, logged once, and :func:`adapt_sft_tokenizer`
+    (nothing new where the launcher's adapter is on); nothing otherwise."""
     if not getattr(args, "sft", False):
         return args
     from megatron_odc.integration.megatron_lm.version import installed_megatron_lm_release
 
-    _PROCESS_SCOPE.enter_context(
-        sft_tokenizer_adapter(installed_megatron_lm_release().sft_tokenizer)
-    )
+    adapt_sft_tokenizer(installed_megatron_lm_release().sft_tokenizer)
     changed = []
     if hasattr(args, "legacy_tokenizer") and not args.legacy_tokenizer:
         args.legacy_tokenizer = True
@@ -98,20 +93,37 @@ def _wrap_init(original: Any) -> Any:
     return init
 
 
+def _sft_tokenizer_class(module_name: str | None) -> type | None:
+    """``module_name.SFTTokenizer``, or None where there is no module to adapt."""
+    if module_name is None:
+        return None
+    try:
+        return importlib.import_module(module_name).SFTTokenizer
+    except ImportError:
+        return None
+
+
+def adapt_sft_tokenizer(module_name: str | None) -> bool:
+    """``module_name.SFTTokenizer.__init__`` wraps its tokenizer in :class:`ChatTemplateIds` for the
+    rest of the process (a patched Megatron-LM source has no launcher handle to revert it); returns
+    whether there is such a class. Applying it again, or inside :func:`sft_tokenizer_adapter`,
+    changes nothing."""
+    cls = _sft_tokenizer_class(module_name)
+    if cls is None:
+        return False
+    if not hasattr(cls.__dict__["__init__"], "__megatron_odc_original__"):
+        cls.__init__ = _wrap_init(cls.__dict__["__init__"])
+    return True
+
+
 @contextlib.contextmanager
 def sft_tokenizer_adapter(module_name: str | None) -> Iterator[bool]:
-    """``module_name.SFTTokenizer.__init__`` wraps its tokenizer in :class:`ChatTemplateIds` inside
-    the block; yields whether there is such a class to adapt (nothing is changed where ``module_name``
-    is None or not importable, nor where an enclosing block already adapted it)."""
-    if module_name is None:
+    """:func:`adapt_sft_tokenizer` inside the block only (the launcher's patches); yields whether
+    there is a class to adapt (nothing is changed where an enclosing block already adapted it)."""
+    cls = _sft_tokenizer_class(module_name)
+    if cls is None:
         yield False
         return
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError:
-        yield False
-        return
-    cls = module.SFTTokenizer
     original = cls.__dict__["__init__"]
     if hasattr(original, "__megatron_odc_original__"):
         yield True
