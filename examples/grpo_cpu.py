@@ -271,11 +271,12 @@ def build(backend: str, settings: Settings, seq_length: int):
     """``(policy, optimizer, reference)`` of ``backend`` from the same seed."""
     from megatron.core.optimizer import OptimizerConfig
 
-    backend = "ddp" if backend == DDP_LB_MINI else backend
     from megatron_odc.mcore.config import ODCConfig
     from megatron_odc.mcore.model import build_gpt_model
     from megatron_odc.mcore.rl.loop import build_rl_backend
     from megatron_odc.mcore.rl.reference import build_reference
+
+    backend = "ddp" if backend == DDP_LB_MINI else backend  # the diagnostic row is DDP
 
     cfg = gpt_config(settings, seq_length)
     optimizer_config = OptimizerConfig(optimizer="adam", lr=1e-4, weight_decay=0.01, clip_grad=1.0)

@@ -54,9 +54,8 @@ def balance_cost(args: Any, cap_tokens: int) -> tuple[CostModel, float]:
     from megatron_odc.mcore.rng import restored_rng
 
     vocab_size = getattr(args, "padded_vocab_size", None) or args.vocab_size
-    with (
-        restored_rng()
-    ):  # build_gpt_model reseeds: the run's streams stay where Megatron-LM left them
+    # build_gpt_model reseeds: the run's streams stay where Megatron-LM left them
+    with restored_rng():
         model = build_gpt_model(GPTConfig.from_args(args, vocab_size=vocab_size), seed=args.seed)
     lengths = probe_lengths(cap_tokens)
     seconds = time_microbatches(model, lengths, vocab_size=vocab_size)

@@ -103,6 +103,12 @@ def _sft_tokenizer_class(module_name: str | None) -> type | None:
         return None
 
 
+def _adapt(cls: type) -> None:
+    """Wraps ``cls.__init__`` with :func:`_wrap_init` unless it is wrapped already."""
+    if not hasattr(cls.__dict__["__init__"], "__megatron_odc_original__"):
+        cls.__init__ = _wrap_init(cls.__dict__["__init__"])
+
+
 def adapt_sft_tokenizer(module_name: str | None) -> bool:
     """``module_name.SFTTokenizer.__init__`` wraps its tokenizer in :class:`ChatTemplateIds` for the
     rest of the process (a patched Megatron-LM source has no launcher handle to revert it); returns
@@ -111,24 +117,20 @@ def adapt_sft_tokenizer(module_name: str | None) -> bool:
     cls = _sft_tokenizer_class(module_name)
     if cls is None:
         return False
-    if not hasattr(cls.__dict__["__init__"], "__megatron_odc_original__"):
-        cls.__init__ = _wrap_init(cls.__dict__["__init__"])
+    _adapt(cls)
     return True
 
 
 @contextlib.contextmanager
 def sft_tokenizer_adapter(module_name: str | None) -> Iterator[bool]:
     """:func:`adapt_sft_tokenizer` inside the block only (the launcher's patches); yields whether
-    there is a class to adapt (nothing is changed where an enclosing block already adapted it)."""
+    there is a class to adapt (where an enclosing block already adapted it, it stays adapted)."""
     cls = _sft_tokenizer_class(module_name)
     if cls is None:
         yield False
         return
     original = cls.__dict__["__init__"]
-    if hasattr(original, "__megatron_odc_original__"):
-        yield True
-        return
-    cls.__init__ = _wrap_init(original)
+    _adapt(cls)
     try:
         yield True
     finally:
