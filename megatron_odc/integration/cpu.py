@@ -116,6 +116,10 @@ _ACTIVE_HANDLE_ATTR = "_megatron_odc_cpu_patches"
 _MISSING = object()
 
 
+_DEVICE_ARGUMENT_TYPES = (str, torch.device)
+"""The positional argument types that can name a device (``t.to("cuda")``)."""
+
+
 def _is_cuda_device(device: Any, *, allow_int: bool) -> bool:
     if isinstance(device, str):
         return device.startswith("cuda")
@@ -133,15 +137,21 @@ class DeviceRemapMode(TorchFunctionMode):
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        # Every torch call of the step passes through here (thousands per microbatch), so the common
+        # case, tensors and numbers only, takes one isinstance per argument and nothing else.
         if func is torch.Tensor.pin_memory:
             return args[0]
-        if "device" in kwargs and _is_cuda_device(kwargs["device"], allow_int=True):
-            kwargs = {**kwargs, "device": "cpu"}
-        if kwargs.get("pin_memory"):
-            kwargs = {k: v for k, v in kwargs.items() if k != "pin_memory"}
-        if any(_is_cuda_device(a, allow_int=False) for a in args):
-            args = tuple("cpu" if _is_cuda_device(a, allow_int=False) else a for a in args)
+        if kwargs:
+            if "device" in kwargs and _is_cuda_device(kwargs["device"], allow_int=True):
+                kwargs = {**kwargs, "device": "cpu"}
+            if kwargs.get("pin_memory"):
+                kwargs = {k: v for k, v in kwargs.items() if k != "pin_memory"}
+        else:
+            kwargs = {}
+        for arg in args:
+            if isinstance(arg, _DEVICE_ARGUMENT_TYPES) and _is_cuda_device(arg, allow_int=False):
+                args = tuple("cpu" if _is_cuda_device(a, allow_int=False) else a for a in args)
+                break
         return func(*args, **kwargs)
 
 
