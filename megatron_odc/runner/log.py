@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import logging
 import sys
 
@@ -32,6 +33,13 @@ RANK_LOCAL_LOGGERS = (
 """Loggers whose warnings are about the rank that logs them (its shared memory, its CUDA device, its
 writer processes, its watchdog): every rank prints those. Every other warning of ``megatron_odc`` is
 about the job (its data, flags, checkpoint, loss), which every rank finds alike: rank 0 alone prints it."""
+
+
+@functools.cache
+def info_once(logger: logging.Logger, message: str, *args: object) -> None:
+    """``logger.info(message, *args)`` once per process, for start-up code that runs more than once
+    (Megatron-LM parses its arguments twice)."""
+    logger.info(message, *args)
 
 
 def _rank_local_or_error(record: logging.LogRecord) -> bool:

@@ -345,8 +345,9 @@ def _args(*flags: str, **kw) -> argparse.Namespace:
 def test_sft_and_per_token_flags_are_set_with_one_line(caplog) -> None:
     from megatron_odc.integration.megatron_lm import flags
     from megatron_odc.integration.megatron_lm.sft import apply_sft_args
+    from megatron_odc.runner.log import info_once
 
-    flags.log_once.cache_clear()
+    info_once.cache_clear()
     with caplog.at_level(logging.INFO, logger="megatron_odc"):
         args = apply_sft_args(_args())
         assert args.legacy_tokenizer

@@ -32,6 +32,7 @@ from megatron_odc.integration.megatron_lm.sft import apply_sft_args
 from megatron_odc.integration.megatron_lm.torch_fsdp2 import refuse_broken_torch_fsdp2
 from megatron_odc.mcore.config import ODC_ENGINE_BACKENDS, refuse_unsupported
 from megatron_odc.runner.launch_env import apply_launch_env
+from megatron_odc.runner.log import info_once
 from megatron_odc.runner.odc_flags import MEGATRON_SAMPLER, add_odc_arguments, resolve_odc_args
 
 logger = logging.getLogger(__name__)
@@ -335,18 +336,13 @@ def postprocess_odc_args(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-@functools.cache
-def log_once(message: str, *args: object) -> None:
-    """``logger.info`` once per process (Megatron-LM parses its arguments more than once)."""
-    logger.info(message, *args)
-
-
 def _per_token_loss(args: argparse.Namespace, because: str) -> None:
     """Turn on ``--calculate-per-token-loss``, saying so once, where the user did not."""
     if getattr(args, "calculate_per_token_loss", False):
         return
     args.calculate_per_token_loss = True
-    log_once(
+    info_once(
+        logger,
         "set --calculate-per-token-loss: %s, and only the global per-token mean (every loss token "
         "of the global batch weighted alike) gives the same loss and gradient however the samples are "
         "split; compare with Megatron-LM's DDP run with --calculate-per-token-loss (its default "

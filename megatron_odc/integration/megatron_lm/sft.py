@@ -29,6 +29,8 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+from megatron_odc.runner.log import info_once
+
 logger = logging.getLogger(__name__)
 
 
@@ -51,13 +53,8 @@ def apply_sft_args(args: argparse.Namespace) -> argparse.Namespace:
             "--no-create-attention-mask-in-dataloader (SFTDataset's samples carry cu_seqlens)"
         )
     if changed:
-        _log_once("--sft: set " + ", ".join(changed))
+        info_once(logger, "--sft: set %s", ", ".join(changed))
     return args
-
-
-@functools.cache
-def _log_once(message: str) -> None:
-    logger.info("%s", message)
 
 
 class ChatTemplateIds:
