@@ -35,6 +35,7 @@ import torch
 
 from tests._dist import run_ranks
 from tests._megatron import SMALL_GPT
+from tests.mcore._rl_loop import mean_loss_forward_step, optimizer_config, samples
 
 COUNTS = [[2, 0], [1, 3], [0, 2], [3, 1], [1, 2]]
 """Microbatches of DP rank 0 and 1 at each step: uneven, 0 included, different at every step."""
@@ -44,24 +45,6 @@ TOLERANCE = 1e-5
 
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / max(float(b.double().norm()), 1e-12))
-
-
-def _optimizer_config(cfg):
-    from megatron.core.optimizer import OptimizerConfig
-
-    return OptimizerConfig(
-        optimizer="adam",
-        lr=3e-3,
-        weight_decay=0.1,
-        clip_grad=0.05,
-        params_dtype=cfg.params_dtype,
-    )
-
-
-def _samples(cfg, step: int, dp_rank: int, count: int) -> list[dict[str, torch.Tensor]]:
-    from tests._megatron import make_batch
-
-    return [make_batch(cfg, 1, seed=1000 * step + 37 * dp_rank + i) for i in range(count)]
 
 
 def _empty(sample: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -82,17 +65,6 @@ def _verl_forward_step(scale, data_iterator, model):
         batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
     )
     return output, functools.partial(_verl_loss, batch["loss_mask"], scale)
-
-
-def _mean_loss_forward_step(data_iterator, model):
-    """Megatron's 3-tuple loss: without calculate_per_token_loss, a per-microbatch token mean."""
-    from megatron_odc.mcore.step import per_token_loss
-
-    batch = next(data_iterator)
-    output = model(
-        batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"]
-    )
-    return output, functools.partial(per_token_loss, batch["loss_mask"])
 
 
 def _external_loop(backend: str, cfg, steps: int, contract: str = "global_tokens") -> dict:
@@ -117,16 +89,16 @@ def _external_loop(backend: str, cfg, steps: int, contract: str = "global_tokens
     model, optimizer = build_rl_backend(
         backend,
         build_gpt_model(cfg, seed=11),
-        _optimizer_config(cfg),
+        optimizer_config(cfg),
         loss_contract=contract,
         odc_config=ODCConfig(bucket_size=BUCKET_NUMEL) if odc else None,
     )
     schedule = get_forward_backward_func() if odc else megatron_schedule()
     out: dict = {"losses": [], "norms": [], "counts": []}
     for step in range(steps):
-        mine = _samples(cfg, step, dp_rank, COUNTS[step][dp_rank])
+        mine = samples(cfg, step, dp_rank, COUNTS[step][dp_rank])
         if not odc:  # pad to the largest count with empty microbatches, as the stacks do
-            pad = _samples(cfg, step, dp_rank, 1)[0]
+            pad = samples(cfg, step, dp_rank, 1)[0]
             mine += [_empty(pad)] * (max(COUNTS[step]) - len(mine))
         tokens = torch.tensor([sum(float(b["loss_mask"].sum()) for b in mine)], dtype=torch.float32)
         dist.all_reduce(tokens, group=dp_group)
@@ -169,7 +141,7 @@ def _check_weight_sync_untrained(reference: dict[str, torch.Tensor], tp: int) ->
     model, _ = build_backend(
         "odc",
         build_gpt_model(cfg, seed=11),
-        _optimizer_config(cfg),
+        optimizer_config(cfg),
         odc_config=ODCConfig(bucket_size=BUCKET_NUMEL),
     )
     got = dict(iter_full_weights(model, gather_tp=tp > 1))
@@ -254,7 +226,7 @@ def _check_weight_sync_hf_names(hf_dir: str) -> dict:
     gpt = build_gpt_model(cfg, seed=7)
     load_hf_weights(gpt, hf_dir)
     model, _ = build_backend(
-        "odc", gpt, _optimizer_config(cfg), odc_config=ODCConfig(bucket_size=BUCKET_NUMEL)
+        "odc", gpt, optimizer_config(cfg), odc_config=ODCConfig(bucket_size=BUCKET_NUMEL)
     )
     got = dict(iter_full_weights(model, hf_config=read_hf_config(hf_dir)))
     model.close()
@@ -272,8 +244,8 @@ def _check_three_tuple_refused(model, cfg) -> str:
 
     try:
         get_forward_backward_func()(
-            forward_step_func=_mean_loss_forward_step,
-            data_iterator=iter(_samples(cfg, 99, 0, 1)),
+            forward_step_func=mean_loss_forward_step,
+            data_iterator=iter(samples(cfg, 99, 0, 1)),
             model=[model],
             num_microbatches=1,
             seq_length=cfg.seq_length,

@@ -15,7 +15,7 @@ import pytest
 
 from tests._dist import RankFailureError, run_ranks
 from tests._megatron import SMALL_GPT
-from tests.mcore.test_rl_loop import _mean_loss_forward_step, _optimizer_config, _samples
+from tests.mcore._rl_loop import mean_loss_forward_step, optimizer_config, samples
 
 FENCE_TIMEOUT_S = 600.0
 
@@ -31,7 +31,7 @@ def _refused_on_rank_0(rank: int, world_size: int, outcomes: str) -> None:
     model, _ = build_rl_backend(
         "odc",
         build_gpt_model(cfg, seed=11),
-        _optimizer_config(cfg),
+        optimizer_config(cfg),
         loss_contract="global_tokens",
         odc_config=ODCConfig(timeout_s=FENCE_TIMEOUT_S),
     )
@@ -39,8 +39,8 @@ def _refused_on_rank_0(rank: int, world_size: int, outcomes: str) -> None:
     start = time.monotonic()
     try:
         get_forward_backward_func()(
-            forward_step_func=_mean_loss_forward_step,  # a 3-tuple: refused under global_tokens
-            data_iterator=iter(_samples(cfg, 0, rank, count)),
+            forward_step_func=mean_loss_forward_step,  # a 3-tuple: refused under global_tokens
+            data_iterator=iter(samples(cfg, 0, rank, count)),
             model=[model],
             num_microbatches=count,
             seq_length=cfg.seq_length,
