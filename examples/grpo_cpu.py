@@ -9,13 +9,17 @@ microbatches whose samples attend only within themselves (THD ``cu_seqlens``), g
 advantages, a KL term to the reference (k3 estimator), the loss contract ``token-loss sum x local n x DP / global tokens``. Three backends train on the same
 rollouts, interleaved step by step:
 
-- ``odc``: ODC with the LB-Mini plan (uneven microbatch counts per rank, 0 allowed), reference under ODC
-  (``build_reference``);
+- ``odc``: ODC with the LB-Mini plan (uneven microbatch counts per rank, 0 allowed), the policy's units
+  kept unsharded for the step (``--odc-unsharded-budget all``: one fetch and one push per unit per
+  step instead of per microbatch), reference under ODC (``build_reference``);
 - ``ddp``: megatron-core DDP the way the stacks feed it: the same number of samples per rank (sample i
   to rank i % DP), packed under the cap, the microbatch counts padded to the largest with empty
   microbatches (no loss tokens); replicated reference;
 - ``fsdp2``: PyTorch FSDP2 (``fully_shard`` per layer and the root) with the best equal-count plan
-  (LB-Micro), reference under FSDP2 too.
+  (LB-Micro), reference under FSDP2 too. Its policy keeps its parameters unsharded from forward to
+  backward (``reshard_after_forward=False``) and its gradients unsharded until the step's last
+  microbatch, the same peak as ODC keeping every unit (every layer's parameters at the end of a
+  forward); with ``--odc-unsharded-budget none`` (ZeRO-3: fetch per use) FSDP2 reshards after forward.
 
 The plans use a cost model measured on this machine first (``mcore/cost_probe.py``: one-sample
 microbatches timed, ``a * s**2 + b * s`` per sample plus a fixed cost per microbatch, which LB-Mini
@@ -31,7 +35,7 @@ Takes: about 60 s on 2 CPU cores (--tiny: about 25 s)
 all-reduce runs once per step, so uneven counts run), which separates the balancing's gain on this
 machine from ODC's per-microbatch parameter copies.
 
-Run: ``python examples/grpo_cpu.py [--tiny] [--dp 2] [--steps 12] [--odc-unsharded-budget all]
+Run: ``python examples/grpo_cpu.py [--tiny] [--dp 2] [--steps 12] [--odc-unsharded-budget {all,none}]
 [--with-ddp-lb-mini]``.
 """
 
@@ -56,7 +60,12 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone without installing
 
+from megatron_odc.core.budget import BUDGET_ALL, BUDGET_NONE
+
 BACKENDS = ("odc", "ddp", "fsdp2")
+BUDGETS = (BUDGET_ALL, BUDGET_NONE)
+"""The ``--odc-unsharded-budget`` values the example pairs with an FSDP2 setting of the same peak
+memory (``megatron_odc.core.budget`` also takes a size, which FSDP2 has no counterpart for)."""
 PROFILE = "agent_rl"
 PROMPT_TOKENS = 8
 PAD_ID = 0
@@ -96,8 +105,9 @@ class Settings:
     group_size: int
     steps: int
     warmup: int
-    unsharded_budget: str = "none"
-    """ODC's ``--odc-unsharded-budget`` for the policy (``none``: ZeRO-3, fetch per use)."""
+    unsharded_budget: str = BUDGET_ALL
+    """ODC's ``--odc-unsharded-budget`` for the policy (one of :data:`BUDGETS`); FSDP2's policy
+    reshards after forward exactly when it is ``none``, for the same peak memory."""
     ddp_lb_mini: bool = False
     """Also run the diagnostic row (:data:`DDP_LB_MINI`)."""
 
@@ -302,9 +312,11 @@ def build(backend: str, settings: Settings, seq_length: int):
     for frozen in (False, True):
         model = build_gpt_model(cfg, seed=7)
         model.requires_grad_(not frozen)
+        # The frozen reference runs forward only: nothing would ever reshard it.
+        reshard = frozen or settings.unsharded_budget == BUDGET_NONE
         for layer in model.decoder.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
         for module in model.modules():
             if hasattr(module, "set_gradient_divide_factor"):
                 module.set_gradient_divide_factor(1.0)  # the loss is already over the global tokens
@@ -467,8 +479,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--odc-unsharded-budget",
-        default="none",
-        help="ODC's budget of units kept unsharded for the minibatch (none, all or a size)",
+        default=BUDGET_ALL,
+        choices=BUDGETS,
+        help="ODC keeps every unit unsharded for the step (all) or fetches it per use (none); "
+        "FSDP2 keeps its parameters from forward to backward or reshards after forward to match",
     )
     args = parser.parse_args(argv)
     if args.dp < 1:
