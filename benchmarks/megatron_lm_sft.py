@@ -15,6 +15,9 @@ row                 what runs
 ``ddp_lb_micro``    ``--dp-backend ddp --balance lb_micro``: the plugin's packing of real lengths, the same
                     count on every rank (LB-Micro); Megatron-LM's DDP syncs once per step
 ``odc_lb_mini``     ``--dp-backend odc`` (LB-Mini): the same packing, each rank its own count
+``odc_lb_mini_``    ``--dp-backend odc --odc-unsharded-budget all``: LB-Mini with every unit kept unsharded
+``kept``            for the step (one fetch and one push per unit per step, not per microbatch; still less
+                    memory than DDP, whose optimizer state is replicated)
 ``odc_lb_micro``    ``--dp-backend odc --balance lb_micro``: ODC on the equal-count plan (its compute
                     imbalance against LB-Mini's, in ODC's log line)
 ``odc_lb_mini_``    ``--dp-backend odc --balance-cost measured``: LB-Mini planned with the cost model timed
@@ -71,6 +74,14 @@ ROWS = {
     "stock_ddp": ("--dp-backend", "ddp", "--calculate-per-token-loss"),
     "ddp_lb_micro": ("--dp-backend", "ddp", "--balance", "lb_micro"),
     "odc_lb_mini": ("--dp-backend", "odc", "--balance", "lb_mini"),
+    "odc_lb_mini_kept": (
+        "--dp-backend",
+        "odc",
+        "--balance",
+        "lb_mini",
+        "--odc-unsharded-budget",
+        "all",
+    ),
     "odc_lb_micro": ("--dp-backend", "odc", "--balance", "lb_micro"),
     "odc_lb_mini_measured": (
         "--dp-backend",
