@@ -311,14 +311,28 @@ GRPO_STEP = re.compile(
 )
 
 
-def test_grpo_cpu_example_runs_tiny_and_the_three_backends_make_the_same_updates(tmp_path):
-    """``examples/grpo_cpu.py --tiny`` (a Python example, docs/rl.md): every backend prints every step;
-    the same rollouts give the same per-step loss and grad norm under ODC + LB-Mini (uneven counts),
-    padded megatron-core DDP, FSDP2 and the diagnostic row (DDP on ODC's plan: its counts; 1e-4: the
-    plans sum in different orders); padded DDP's and FSDP2's counts are equal across ranks; the plans' cost model was measured first; the last line holds the
-    measured and predicted ratios."""
+@pytest.mark.parametrize("budget", ["all", "none"])
+def test_grpo_cpu_example_runs_tiny_and_the_three_backends_make_the_same_updates(tmp_path, budget):
+    """``examples/grpo_cpu.py --tiny`` (a Python example, docs/rl.md), with ODC's units kept for the
+    step (FSDP2 not resharding after forward) and fetched per use (FSDP2 resharding): every backend
+    prints every step; the same rollouts give the same per-step loss and grad norm under ODC +
+    LB-Mini (uneven counts), padded megatron-core DDP, FSDP2 and the diagnostic row (DDP on ODC's
+    plan: its counts; 1e-4: the plans sum in different orders); padded DDP's and FSDP2's counts are
+    equal across ranks; the plans' cost model was measured first; the last line holds the measured
+    and predicted ratios."""
     script = EXAMPLES / "grpo_cpu.py"
-    out = _run(script, tmp_path, [sys.executable, str(script), "--tiny", "--with-ddp-lb-mini"])
+    out = _run(
+        script,
+        tmp_path,
+        [
+            sys.executable,
+            str(script),
+            "--tiny",
+            "--with-ddp-lb-mini",
+            "--odc-unsharded-budget",
+            budget,
+        ],
+    )
     rows: dict = {}
     for line in out.splitlines():
         match = GRPO_STEP.match(line)
