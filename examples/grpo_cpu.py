@@ -29,7 +29,7 @@ steps' totals) and the measured cost model's predicted ones for the same plans (
 slowest rank's microbatches, DDP's padding included; FSDP2: the lockstep sum over microbatch indices
 of the slowest rank's microbatch; communication and parameter copies are not modelled).
 Needs: cpu
-Takes: about 60 s on 2 CPU cores (--tiny: about 25 s)
+Takes: about 45 s on 2 CPU cores (--tiny: about 10 s)
 
 ``--with-ddp-lb-mini`` adds a diagnostic row: megatron-core DDP on LB-Mini's own plan (its gradient
 all-reduce runs once per step, so uneven counts run), which separates the balancing's gain on this

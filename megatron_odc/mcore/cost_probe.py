@@ -25,9 +25,9 @@ SHORTEST_PROBE = 32
 
 PROBE_POINTS = 12
 """Lengths probed by default. The fit's error on the microbatches a plan builds falls with more of
-them: on the GRPO example's model (2 CPU cores), 6 points left LB-Mini's balanced ranks 1.5-3 points
-slower than the fit predicted against the padded plan's (each microbatch timed alone), 12 points
-1.4-1.5; the probe takes about twice as long (a few seconds there)."""
+them: on the GRPO example's model (2 CPU cores), the fit's predicted speedup of LB-Mini's plan over
+the padded one exceeded what the same microbatches gave, timed alone, by 1.5-3.2 points with 6
+lengths and by 1.4-1.5 with 12; the probe takes about twice as long (a few seconds there)."""
 
 
 def probe_lengths(longest: int, points: int = PROBE_POINTS) -> list[int]:
