@@ -18,6 +18,9 @@ row                 what runs
 ``odc_lb_mini_``    ``--dp-backend odc --odc-unsharded-budget all``: LB-Mini with every unit kept unsharded
 ``kept``            for the step (one fetch and one push per unit per step, not per microbatch; still less
                     memory than DDP, whose optimizer state is replicated)
+``fsdp_lb_micro``   ``--dp-backend fsdp --balance lb_micro``: the plugin's lockstep ZeRO-3 (the same sharding
+                    as ODC, per-layer all-gathers and reduce-scatters every microbatch) on the same
+                    packing with equal counts: the equal-memory peer without padding
 ``odc_lb_micro``    ``--dp-backend odc --balance lb_micro``: ODC on the equal-count plan (its compute
                     imbalance against LB-Mini's, in ODC's log line)
 ``odc_lb_mini_``    ``--dp-backend odc --balance-cost measured``: LB-Mini planned with the cost model timed
@@ -82,6 +85,7 @@ ROWS = {
         "--odc-unsharded-budget",
         "all",
     ),
+    "fsdp_lb_micro": ("--dp-backend", "fsdp", "--balance", "lb_micro"),
     "odc_lb_micro": ("--dp-backend", "odc", "--balance", "lb_micro"),
     "odc_lb_mini_measured": (
         "--dp-backend",
