@@ -72,6 +72,7 @@ def sft_args(data: Path) -> tuple[str, ...]:
 
 
 _LOSS_RE = re.compile(r"iteration\s+(\d+)/.*?lm loss: ([0-9.E+-]+)")
+_GRAD_NORM_RE = re.compile(r"iteration\s+(\d+)/.*?lm loss: .*?grad norm: ([0-9.E+-]+)")
 
 _IMPORT_CHECK = """
 import importlib.util, sys
@@ -144,6 +145,7 @@ def pretrain_gpt_losses(
     env: dict[str, str] | None = None,
     log_holds: tuple[str, ...] = (),
     launch: str = "pretrain_gpt.py",
+    grad_norms: dict[int, float] | None = None,
 ) -> dict[int, float]:
     """``{iteration: lm loss}`` of an ``nproc``-rank CPU run of ``pretrain_gpt.py --dp-backend backend``
     (``backend`` None: no ``--dp-backend``, Megatron-LM's own choice from its flags).
@@ -152,7 +154,8 @@ def pretrain_gpt_losses(
     (a patched Megatron-LM tree's, without the launcher). Under torchrun, or with ``mpiexec`` under
     ``mpiexec -n nproc`` (``tests/_mpi.py``; the caller passes ``--odc-transport mpi``); ``env`` is
     added to the ranks' environment. Every string of ``log_holds`` must be in the run's output.
-    ``launch`` is the script the launcher runs (a stand-in instead of ``pretrain_gpt.py``).
+    ``launch`` is the script the launcher runs (a stand-in instead of ``pretrain_gpt.py``);
+    ``grad_norms``, where given, receives ``{iteration: grad norm}`` of the same log.
     """
     main = [str(script)] if script else ["-m", "megatron_odc.launch", launch]
     main += [*args, *(("--dp-backend", backend) if backend else ()), *extra]
@@ -170,4 +173,7 @@ def pretrain_gpt_losses(
     assert sorted(losses) == list(iterations), log[-4000:]
     for text in log_holds:
         assert text in log, f"{text!r} not in the log:\n{log[-4000:]}"
+    if grad_norms is not None:
+        grad_norms.update((int(i), float(v)) for i, v in _GRAD_NORM_RE.findall(log))
+        assert sorted(grad_norms) == list(iterations), log[-4000:]
     return losses

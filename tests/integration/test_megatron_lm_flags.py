@@ -122,10 +122,11 @@ def test_defaults_of_every_tag_are_not_refused() -> None:
     assert postprocess_odc_args(args).calculate_per_token_loss
 
 
-def test_torch_fsdp2_refused_where_its_wrapper_fails_or_trains_wrong(monkeypatch) -> None:
+def test_torch_fsdp2_refused_where_its_wrapper_fails_at_the_first_step(monkeypatch) -> None:
     """Megatron-LM's own ``--use-torch-fsdp2`` (no ``--dp-backend``) stops at parse time, in one line,
-    where megatron-core's wrapper cannot take ``finalize_model_grads``' call or leaves per-token
-    gradients undivided; a wrapper without those defects passes (classes patched to each case)."""
+    where megatron-core's wrapper cannot take ``finalize_model_grads``' call, with or without per-token
+    loss (whose missing gradient scaling the launcher supplies); a wrapper that takes it passes
+    (classes patched to each case)."""
     import sys
 
     from megatron.core.distributed.torch_fully_sharded_data_parallel import (
@@ -146,30 +147,17 @@ def test_torch_fsdp2_refused_where_its_wrapper_fails_or_trains_wrong(monkeypatch
         return parse_args()
 
     monkeypatch.setattr(Wrapper, "finish_grad_sync", lambda self: None)  # megatron-core <= 0.18
-    with pytest.raises(
-        ValueError, match=r"--use-torch-fsdp2: .*takes no force_all_reduce"
-    ) as fails:
-        parsed(args(per_token=False))
-    assert str(fails.value).endswith("or run core_v0.19.0 with megatron-core 0.19")
-    assert "\n" not in str(fails.value)
-    assert "Drop --use-torch-fsdp2 and use --dp-backend odc" in str(fails.value)
-    with pytest.raises(ValueError, match="never divided by the token count") as both:
-        parsed(args(per_token=True))  # both defects: one line, one remedy that removes both
-    assert str(both.value).endswith(
-        "run core_v0.19.0 with megatron-core 0.19 without --calculate-per-token-loss"
-    )
-    assert "\n" not in str(both.value)
+    for per_token in (False, True):
+        with pytest.raises(
+            ValueError, match=r"--use-torch-fsdp2: .*takes no force_all_reduce"
+        ) as fails:
+            parsed(args(per_token=per_token))
+        assert str(fails.value).endswith("or run core_v0.19.0 with megatron-core 0.19")
+        assert "\n" not in str(fails.value)
+        assert "Drop --use-torch-fsdp2 and use --dp-backend odc" in str(fails.value)
     assert parsed(args(per_token=True, fsdp2=False)).calculate_per_token_loss  # not asked for
 
     monkeypatch.setattr(Wrapper, "finish_grad_sync", lambda self, force_all_reduce=False: None)
-    mean = args(per_token=False)
-    assert parsed(mean) is mean
-    with pytest.raises(ValueError, match="never divided by the token count") as refused:
-        parsed(args(per_token=True))
-    assert str(refused.value).endswith("or drop --calculate-per-token-loss (the mean loss)")
-    assert "force_all_reduce" not in str(refused.value)
-    assert "\n" not in str(refused.value)
-
-    monkeypatch.setattr(Wrapper, "scale_gradients", lambda self, factor: None, raising=False)
-    per_token = args(per_token=True)
-    assert parsed(per_token) is per_token
+    for per_token in (False, True):
+        namespace = args(per_token=per_token)
+        assert parsed(namespace) is namespace

@@ -88,17 +88,24 @@ def test_sft_ddp_with_lb_micro_packing_has_equal_counts(megatron_lm_path, tmp_pa
 
 
 @pytest.mark.timeout(600)
-def test_sft_megatron_lm_torch_fsdp2_runs_on_cpu_and_equals_ddp(megatron_lm_path, tmp_path) -> None:
+@pytest.mark.parametrize("per_token", [False, True], ids=["mean_loss", "per_token_loss"])
+def test_sft_megatron_lm_torch_fsdp2_runs_on_cpu_and_equals_ddp(
+    megatron_lm_path, tmp_path, per_token
+) -> None:
     """The ZeRO-3 peer of ``benchmarks/megatron_lm_sft.py``: Megatron-LM's ``--use-torch-fsdp2`` runs
     on CPU ranks under the launcher's CPU shims (gloo takes no NCCL options; its device mesh is a CPU
-    one) and trains what Megatron-LM's DDP trains (the mean loss: its wrapper's ``scale_gradients``
-    is a no-op, so per-token gradients would not be divided by the token count)."""
+    one) and trains what Megatron-LM's DDP trains, with the mean loss and with
+    ``--calculate-per-token-loss`` (whose gradient scaling megatron-core's wrapper leaves a no-op and
+    the launcher supplies, ``torch_fsdp2.py``)."""
     from megatron_odc.integration.megatron_lm.torch_fsdp2 import torch_fsdp2_defects
 
-    defects = torch_fsdp2_defects(calculate_per_token_loss=False)
+    defects = torch_fsdp2_defects()
     if defects:  # megatron-core <= 0.18: the launcher refuses the flag (test_megatron_lm_flags.py)
         pytest.skip(f"megatron-core's TorchFullyShardedDataParallel: {defects[0]}")
     args = (*sft_args(tmp_path), "--untie-embeddings-and-output-weights")
+    args += ("--calculate-per-token-loss",) if per_token else ()
+    fsdp2_norms: dict[int, float] = {}
+    ddp_norms: dict[int, float] = {}
     fsdp2 = pretrain_gpt_losses(
         None,
         tmp_path,
@@ -106,8 +113,13 @@ def test_sft_megatron_lm_torch_fsdp2_runs_on_cpu_and_equals_ddp(megatron_lm_path
         args=args,
         iterations=ITERATIONS,
         env={"CUDA_DEVICE_MAX_CONNECTIONS": "8"},  # Megatron-LM asserts it > 1 with FSDP
+        grad_norms=fsdp2_norms,
     )
-    ddp = pretrain_gpt_losses("ddp", tmp_path, args=args, iterations=ITERATIONS)
+    ddp = pretrain_gpt_losses(
+        "ddp", tmp_path, args=args, iterations=ITERATIONS, grad_norms=ddp_norms
+    )
     for it, loss in ddp.items():
         assert fsdp2[it] == pytest.approx(loss, rel=1e-5), (it, fsdp2, ddp)
+        # the gradients' scale (clipping and Adam hide a wrong one from the losses)
+        assert fsdp2_norms[it] == pytest.approx(ddp_norms[it], rel=1e-3), (fsdp2_norms, ddp_norms)
     assert ddp[1] != ddp[4]  # training moved

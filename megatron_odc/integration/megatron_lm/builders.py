@@ -24,9 +24,11 @@ from typing import Any
 from megatron.core.optimizer.optimizer import ChainedOptimizer
 
 from megatron_odc.integration.megatron_lm.checkpointing import install_megatron_lm_checkpointing
+from megatron_odc.integration.megatron_lm.torch_fsdp2 import scale_torch_fsdp2_gradients
 from megatron_odc.mcore.config import ODC_ENGINE_BACKENDS, ODCConfig
 from megatron_odc.mcore.data_parallel import ODCDataParallel
 from megatron_odc.mcore.optimizer import ODCOptimizer
+from megatron_odc.runner.log import info_once
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +134,8 @@ def check_odc_wrapped(model: Any, backend: str | None) -> None:
 
 
 def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
-    """``setup_model_and_optimizer`` followed by :func:`check_odc_wrapped` on the model it built."""
+    """``setup_model_and_optimizer`` followed by :func:`check_odc_wrapped` on the model it built, and
+    under ``--use-torch-fsdp2`` the gradient scaling its chunks lack (``torch_fsdp2.py``)."""
 
     @functools.wraps(original)
     def setup_model_and_optimizer(*args, **kwargs):
@@ -143,6 +146,14 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
         margs = get_args()
         if optimizer is not None or not getattr(margs, "skip_train", False):
             check_odc_wrapped(model, getattr(margs, "dp_backend", None))
+        scaled = getattr(margs, "use_torch_fsdp2", False) and scale_torch_fsdp2_gradients(model)
+        if scaled and getattr(margs, "calculate_per_token_loss", False):
+            info_once(
+                logger,
+                "--use-torch-fsdp2 with --calculate-per-token-loss: megatron-core's "
+                "TorchFullyShardedDataParallel leaves scale_gradients a no-op; its chunks now "
+                "divide the gradients by the global token count as its DDP does",
+            )
         return result
 
     setup_model_and_optimizer.__megatron_odc_original__ = original

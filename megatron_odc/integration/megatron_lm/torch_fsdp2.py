@@ -1,25 +1,32 @@
-"""Megatron-LM's own torch FSDP2 (``--use-torch-fsdp2``) under the launcher: its two bugs, refused.
+"""Megatron-LM's own torch FSDP2 (``--use-torch-fsdp2``) under the launcher: one bug refused, one fixed.
 
 The launcher runs Megatron-LM's own data parallelism where no ``--dp-backend`` is given, FSDP2
 included (on CPU through two shims, ``cpu_shims.py``). megatron-core's
-``TorchFullyShardedDataParallel`` has two defects that no flag of the user can work around, each found
-by running it (``tests/integration/test_megatron_lm_sft_e2e.py``, ``benchmarks/megatron_lm_sft.py``):
+``TorchFullyShardedDataParallel`` has two defects, each found by running it
+(``tests/integration/test_megatron_lm_sft_e2e.py``, ``benchmarks/megatron_lm_sft.py``):
 
 - up to megatron-core 0.18 its ``finish_grad_sync`` takes no ``force_all_reduce``, which
-  ``finalize_model_grads`` passes: every run stops at the first step with a ``TypeError``;
+  ``finalize_model_grads`` passes: every run stops at the first step with a ``TypeError``.
+  :func:`refuse_broken_torch_fsdp2` checks the installed classes (not tags) and stops the job before
+  anything is built, in one line naming what to change;
 - it does not override ``scale_gradients`` (the base class's is a no-op), so under
   ``--calculate-per-token-loss`` the gradients are never divided by the step's token count (FSDP2's
   reduce-scatter averages over DP: they come out tokens / DP times too large), and clipping and
-  Adam's epsilon then train another model, silently.
-
-:func:`refuse_broken_torch_fsdp2` checks the installed classes (not tags) and stops the job before
-anything is built, in one line naming what to change.
+  Adam's epsilon then train another model, silently. :func:`scale_torch_fsdp2_gradients` gives every
+  such chunk the scaling megatron-core's DDP does (the DP average undone, then divided by the global
+  token count), once Megatron-LM has built the model (``builders.wrap_setup_model_and_optimizer``), so
+  per-token loss, and with it the plugin's packing, trains what Megatron-LM's DDP trains.
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
+import types
+from typing import Any
+
+import torch
+import torch.distributed as dist
 
 from megatron_odc.mcore.releases import installed_version
 
@@ -27,57 +34,71 @@ FAILS_AT_FIRST_STEP = (
     "its finish_grad_sync takes no force_all_reduce, which finalize_model_grads passes (every run "
     "stops at the first step)"
 )
-LEAVES_PER_TOKEN_UNSCALED = (
-    "its scale_gradients is the base class's no-op, so with --calculate-per-token-loss the gradients "
-    "are never divided by the token count"
-)
 
 
-def torch_fsdp2_defects(calculate_per_token_loss: bool) -> list[str]:
-    """Which of :data:`FAILS_AT_FIRST_STEP` and :data:`LEAVES_PER_TOKEN_UNSCALED` the installed
-    megatron-core's torch FSDP2 wrapper has for such a run (empty: none)."""
-    from megatron.core.distributed.data_parallel_base import _BaseDataParallel
+def torch_fsdp2_defects() -> list[str]:
+    """:data:`FAILS_AT_FIRST_STEP` if the installed megatron-core's torch FSDP2 wrapper has it (empty:
+    none; the missing gradient scaling is fixed, :func:`scale_torch_fsdp2_gradients`)."""
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.distributed.torch_fully_sharded_data_parallel import (
         TorchFullyShardedDataParallel,
     )
 
-    defects = []
     passes = "force_all_reduce" in inspect.signature(finalize_model_grads).parameters
     takes = (
         "force_all_reduce"
         in inspect.signature(TorchFullyShardedDataParallel.finish_grad_sync).parameters
     )
-    if passes and not takes:
-        defects.append(FAILS_AT_FIRST_STEP)
-    if calculate_per_token_loss and (
-        TorchFullyShardedDataParallel.scale_gradients is _BaseDataParallel.scale_gradients
-    ):
-        defects.append(LEAVES_PER_TOKEN_UNSCALED)
-    return defects
+    return [FAILS_AT_FIRST_STEP] if passes and not takes else []
 
 
 def refuse_broken_torch_fsdp2(args: argparse.Namespace) -> argparse.Namespace:
-    """``args`` unchanged unless ``--use-torch-fsdp2`` meets a defect of the installed wrapper.
+    """``args`` unchanged unless ``--use-torch-fsdp2`` meets :data:`FAILS_AT_FIRST_STEP`.
 
     Raises:
-        ValueError: one line naming the defects and what to change: drop ``--use-torch-fsdp2`` (ODC's
-            own ZeRO-3 instead), or run ``core_v0.19.0`` / drop ``--calculate-per-token-loss``,
-            whichever removes the defects found.
+        ValueError: one line naming the defect and what to change: drop ``--use-torch-fsdp2`` (ODC's
+            own ZeRO-3 instead), or run ``core_v0.19.0``.
     """
     if not getattr(args, "use_torch_fsdp2", False):
         return args
-    defects = torch_fsdp2_defects(bool(getattr(args, "calculate_per_token_loss", False)))
+    defects = torch_fsdp2_defects()
     if not defects:
         return args
-    if FAILS_AT_FIRST_STEP in defects:
-        other = "run core_v0.19.0 with megatron-core 0.19"
-        if LEAVES_PER_TOKEN_UNSCALED in defects:
-            other += " without --calculate-per-token-loss"
-    else:
-        other = "drop --calculate-per-token-loss (the mean loss)"
     raise ValueError(
         f"--use-torch-fsdp2: megatron-core {installed_version()}'s TorchFullyShardedDataParallel: "
         f"{'; '.join(defects)}. Drop --use-torch-fsdp2 and use --dp-backend odc (ZeRO-3; or fsdp, "
-        f"its lockstep baseline), or {other}"
+        "its lockstep baseline), or run core_v0.19.0 with megatron-core 0.19"
     )
+
+
+def scale_torch_fsdp2_gradients(model: Any) -> int:
+    """Give every ``TorchFullyShardedDataParallel`` chunk of ``model`` (one module or a list) whose
+    class keeps the base no-op ``scale_gradients`` the one :func:`_scale_sharded_gradients` does, on
+    the instance; returns how many chunks got it."""
+    from megatron.core.distributed.data_parallel_base import _BaseDataParallel
+    from megatron.core.distributed.torch_fully_sharded_data_parallel import (
+        TorchFullyShardedDataParallel,
+    )
+
+    if TorchFullyShardedDataParallel.scale_gradients is not _BaseDataParallel.scale_gradients:
+        return 0  # a megatron-core that scales them itself
+    chunks = model if isinstance(model, list | tuple) else [model]
+    fixed = 0
+    for chunk in chunks:
+        if isinstance(chunk, TorchFullyShardedDataParallel):
+            chunk.scale_gradients = types.MethodType(_scale_sharded_gradients, chunk)
+            fixed += 1
+    return fixed
+
+
+def _scale_sharded_gradients(chunk: Any, scaling_factor: float | torch.Tensor) -> None:
+    """What megatron-core's DDP does with ``scale_gradients``, on FSDP2's sharded gradients: its
+    reduce-scatter averaged them over the DP group, where DDP sums, so the factor is
+    ``scaling_factor`` (``1 / global tokens`` under per-token loss) times the group's size."""
+    factor = scaling_factor * dist.get_world_size(chunk.process_group)
+    with torch.no_grad():
+        for param in chunk.module.parameters():
+            grad = param.grad
+            if grad is not None:
+                local = grad.to_local() if hasattr(grad, "to_local") else grad  # a DTensor's shard
+                local.mul_(factor)
