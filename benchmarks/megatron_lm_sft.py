@@ -26,8 +26,9 @@ row                 what runs
 ``odc_lb_mini_``    ``--dp-backend odc --balance-cost measured``: LB-Mini planned with the cost model timed
 ``measured``        at start-up on this machine, a fixed cost per microbatch included
 ``fsdp2``           ``--use-torch-fsdp2`` (Megatron-LM's ZeRO-3 peer, at ODC's memory: parameters, gradients
-                    and optimizer state sharded over DP), Megatron-LM's sampler, the mean loss (its wrapper
-                    does not divide per-token gradients by the token count). Runs on CPU with
+                    and optimizer state sharded over DP), Megatron-LM's sampler (``--use-torch-fsdp2`` takes
+                    no ``--dp-backend``, so not the packing), per-token loss like ``stock_ddp`` (the
+                    launcher supplies the gradient scaling megatron-core's wrapper lacks). Runs on CPU with
                     ``core_v0.19.0``; the launcher refuses it with earlier tags, whose megatron-core
                     wrapper fails at the first step on every device: the row reports that line
 ==================  =========================================================================================
@@ -98,8 +99,7 @@ ROWS = {
     "fsdp2": (
         "--use-torch-fsdp2",
         "--untie-embeddings-and-output-weights",  # Megatron-LM asserts it with FSDP2
-        # no --calculate-per-token-loss: Megatron-LM's FSDP2 wrapper leaves scale_gradients a
-        # no-op, so its per-token gradients would not be divided by the token count
+        "--calculate-per-token-loss",  # scaled by the launcher (integration/megatron_lm/torch_fsdp2.py)
     ),
 }
 
