@@ -16,7 +16,8 @@ Split by job:
 - ``checkpointing``: Megatron-LM's ``save_checkpoint`` / ``load_checkpoint`` of ODC chunks;
 - ``cpu_shims``: the Megatron-LM-only CPU stand-ins;
 - ``sft``: ``--sft``'s flags and the transformers-5 adapter of the tag's ``SFTTokenizer``;
-- ``torch_fsdp2``: ``--use-torch-fsdp2`` refused where megatron-core's wrapper fails or trains wrong.
+- ``torch_fsdp2``: ``--use-torch-fsdp2`` refused where megatron-core's wrapper fails at the first
+  step, and the per-token gradient scaling its chunks lack supplied.
 
 ``python -m megatron_odc.launch`` (``integration/launch.py``) applies the patches and runs a script.
 """

@@ -15,7 +15,8 @@ included (on CPU through two shims, ``cpu_shims.py``). megatron-core's
   Adam's epsilon then train another model, silently. :func:`scale_torch_fsdp2_gradients` gives every
   such chunk the scaling megatron-core's DDP does (the DP average undone, then divided by the global
   token count), once Megatron-LM has built the model (``builders.wrap_setup_model_and_optimizer``), so
-  per-token loss, and with it the plugin's packing, trains what Megatron-LM's DDP trains.
+  per-token loss trains what Megatron-LM's DDP trains (on Megatron-LM's sampler: ``--use-torch-fsdp2``
+  takes no ``--dp-backend``, so not the plugin's packing).
 """
 
 from __future__ import annotations
