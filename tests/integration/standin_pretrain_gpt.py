@@ -2,17 +2,24 @@
 
 From 0.17 the megatron-core wheel ships ``megatron/training``, so CI can run the Megatron-LM integration
 without a checkout: ``python -m megatron_odc.launch tests/integration/standin_pretrain_gpt.py <args>``.
-Written for this project (not a copy of Megatron-LM's script): it parses with
-``arguments.parse_and_validate_args``, builds the GPT model through the config container
-(``argument_utils.gpt_config_from_args`` / ``pretrain_cfg_container_from_args``: the model is built by
-``megatron/training/models`` and wrapped in ``models.dist_utils._ddp_wrap``, as ``core_v0.19.0``'s
-``pretrain_gpt.py`` does), mock GPT data (or, with ``--sft``, Megatron-LM's ``SFTDataset`` with THD packed sequences, as
-``pretrain_gpt.py --sft`` does), and a per-token loss, then runs ``training.pretrain``.
+Written for this project (not a copy of Megatron-LM's script): mock GPT data (or, with ``--sft``,
+Megatron-LM's ``SFTDataset`` with THD packed sequences, as ``pretrain_gpt.py --sft`` does) and a
+per-token loss, then ``training.pretrain`` called the way the installed release's ``pretrain_gpt.py``
+calls it (:func:`main`, chosen by what the wheel has, not by its version):
+
+- 0.19: arguments parsed first, the model described by a config container
+  (``argument_utils.gpt_config_from_args`` / ``pretrain_cfg_container_from_args``) and built by
+  ``megatron/training/models``, wrapped in ``models.dist_utils._ddp_wrap``;
+- 0.18: arguments parsed first, a config container without a model config, and a model provider
+  (:func:`model_provider`: a ``GPTModel`` of the local layer spec) that ``training.get_model`` wraps;
+- 0.17: ``pretrain`` parses the arguments itself, with the same model provider.
+
 Tensor and pipeline parallelism are not handled (DP only).
 """
 
 from __future__ import annotations
 
+import inspect
 from functools import partial
 
 import torch
@@ -21,11 +28,10 @@ from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
 from megatron.core.enums import ModelType
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
-from megatron.training import get_args, get_tokenizer
-from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
-from megatron.training.arguments import parse_and_validate_args
+from megatron.training import argument_utils, get_args, get_tokenizer, training
 from megatron.training.datasets.sft_dataset import SFTDataset
-from megatron.training.training import pretrain
+
+ARGS_DEFAULTS = {"tokenizer_type": "NullTokenizer"}
 
 
 def datasets_provider(num_samples, vp_stage=None):
@@ -91,7 +97,51 @@ def forward_step(data_iterator, model):
     return output, partial(loss_func, batch["loss_mask"])
 
 
+def model_provider(
+    pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None
+):
+    """A ``GPTModel`` of the local (no TransformerEngine) layer spec, for releases whose ``pretrain``
+    takes a model provider (0.17, 0.18)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    args = get_args()
+    return GPTModel(
+        config=config or core_transformer_config_from_args(args),
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        vp_stage=vp_stage,
+        pg_collection=pg_collection,
+    )
+
+
+def main() -> None:
+    """``training.pretrain`` as the installed release's ``pretrain_gpt.py`` calls it."""
+    from megatron.training import arguments
+
+    model_type = ModelType.encoder_or_decoder
+    if hasattr(argument_utils, "gpt_config_from_args"):  # 0.19: the model is in the config
+        margs = arguments.parse_and_validate_args(args_defaults=ARGS_DEFAULTS)
+        config = argument_utils.pretrain_cfg_container_from_args(
+            margs, argument_utils.gpt_config_from_args(margs)
+        )
+        training.pretrain(config, datasets_provider, model_type, forward_step)
+    elif "cfg_container" in inspect.signature(training.pretrain).parameters:  # 0.18
+        config = argument_utils.pretrain_cfg_container_from_args(
+            arguments.parse_and_validate_args(args_defaults=ARGS_DEFAULTS)
+        )
+        training.pretrain(config, datasets_provider, model_provider, model_type, forward_step)
+    else:  # 0.17: pretrain parses the arguments
+        training.pretrain(
+            datasets_provider, model_provider, model_type, forward_step, args_defaults=ARGS_DEFAULTS
+        )
+
+
 if __name__ == "__main__":
-    margs = parse_and_validate_args(args_defaults={"tokenizer_type": "NullTokenizer"})
-    config = pretrain_cfg_container_from_args(margs, gpt_config_from_args(margs))
-    pretrain(config, datasets_provider, ModelType.encoder_or_decoder, forward_step)
+    main()
