@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from megatron.core.optimizer.optimizer import ChainedOptimizer
@@ -109,15 +109,14 @@ def wrap_ddp_wrap(original: Callable, dist_utils: Any) -> Callable:
     return _swapping(original, dist_utils, "DistributedDataParallel")
 
 
-def check_odc_wrapped(model: Any, backend: str | None) -> None:
-    """Under ``--dp-backend odc|fsdp``, every chunk of ``model`` must be ``ODCDataParallel``.
+def check_odc_wrapped(chunks: Sequence, backend: str | None) -> None:
+    """Under ``--dp-backend odc|fsdp``, every one of the model's ``chunks`` must be ``ODCDataParallel``.
 
     Raises:
         ValueError: one line naming the chunks Megatron-LM wrapped otherwise.
     """
     if backend not in ODC_ENGINE_BACKENDS:
         return
-    chunks = model if isinstance(model, list | tuple) else [model]
     other = [
         (i, type(c).__name__) for i, c in enumerate(chunks) if not isinstance(c, ODCDataParallel)
     ]
@@ -143,10 +142,11 @@ def wrap_setup_model_and_optimizer(original: Callable) -> Callable:
 
         result = original(*args, **kwargs)
         model, optimizer = result[0], result[1]
+        chunks = model if isinstance(model, list | tuple) else [model]
         margs = get_args()
         if optimizer is not None or not getattr(margs, "skip_train", False):
-            check_odc_wrapped(model, getattr(margs, "dp_backend", None))
-        scaled = getattr(margs, "use_torch_fsdp2", False) and scale_torch_fsdp2_gradients(model)
+            check_odc_wrapped(chunks, getattr(margs, "dp_backend", None))
+        scaled = getattr(margs, "use_torch_fsdp2", False) and scale_torch_fsdp2_gradients(chunks)
         if scaled and getattr(margs, "calculate_per_token_loss", False):
             info_once(
                 logger,

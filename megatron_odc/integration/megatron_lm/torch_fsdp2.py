@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import types
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -72,10 +73,10 @@ def refuse_broken_torch_fsdp2(args: argparse.Namespace) -> argparse.Namespace:
     )
 
 
-def scale_torch_fsdp2_gradients(model: Any) -> int:
-    """Give every ``TorchFullyShardedDataParallel`` chunk of ``model`` (one module or a list) whose
-    class keeps the base no-op ``scale_gradients`` the one :func:`_scale_sharded_gradients` does, on
-    the instance; returns how many chunks got it."""
+def scale_torch_fsdp2_gradients(chunks: Sequence) -> int:
+    """Give each of the model's ``chunks`` that is a ``TorchFullyShardedDataParallel`` whose class
+    keeps the base no-op ``scale_gradients`` the one :func:`_scale_sharded_gradients` does, on the
+    instance; returns how many chunks got it."""
     from megatron.core.distributed.data_parallel_base import _BaseDataParallel
     from megatron.core.distributed.torch_fully_sharded_data_parallel import (
         TorchFullyShardedDataParallel,
@@ -83,7 +84,6 @@ def scale_torch_fsdp2_gradients(model: Any) -> int:
 
     if TorchFullyShardedDataParallel.scale_gradients is not _BaseDataParallel.scale_gradients:
         return 0  # a megatron-core that scales them itself
-    chunks = model if isinstance(model, list | tuple) else [model]
     fixed = 0
     for chunk in chunks:
         if isinstance(chunk, TorchFullyShardedDataParallel):
