@@ -21,6 +21,7 @@ as across nodes (``mpiexec`` with ``--odc-transport mpi``; hybrid sharding over 
 
 from __future__ import annotations
 
+import argparse
 import inspect
 import os
 import subprocess
@@ -679,6 +680,25 @@ def _run_fake_training(rank: int, world_size: int, fake_root: str) -> dict:
             _PlanIterable([5], []) if parallel_state.get_tensor_model_parallel_rank() == 0 else None
         )
         out["tp_count"] = schedule.planned_count(source, default=2)
+        # Megatron-LM's DDP on the balanced loader: the TP rank without a loader runs the planned
+        # count too (it used to pass through with the caller's, beside its peer's broadcast).
+        from megatron.training.global_vars import get_args, set_args
+
+        saved = get_args()
+        set_args(argparse.Namespace(dp_backend="ddp", balance="lb_micro", log_interval=1000))
+        ran = []
+        ddp_schedule = PlannedCountSchedule(inner=lambda **kw: ran.append(kw["num_microbatches"]))
+        source = (
+            _PlanIterable([3], []) if parallel_state.get_tensor_model_parallel_rank() == 0 else None
+        )
+        ddp_schedule(
+            forward_step_func=None,
+            data_iterator=source,
+            model=[torch.nn.Linear(1, 1)],
+            num_microbatches=8,
+        )
+        set_args(saved)
+        out["ddp_tp_counts"] = ran
     finally:
         teardown_megatron()
 
@@ -721,7 +741,11 @@ def test_core_symbols_match_the_expected_signatures() -> None:
     from megatron.core.optimizer.optimizer import ChainedOptimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
-    from megatron.core.rerun_state_machine import RerunDataIterator
+    from megatron.core.rerun_state_machine import (
+        RerunDataIterator,
+        RerunState,
+        get_rerun_state_machine,
+    )
 
     from megatron_odc.integration.megatron_lm.releases import release_for_series
     from megatron_odc.mcore.releases import current_release
@@ -743,7 +767,9 @@ def test_core_symbols_match_the_expected_signatures() -> None:
     assert names(ChainedOptimizer.__init__) == ("self", "chained_optimizers")
     rerun = RerunDataIterator(iter([]))
     assert hasattr(rerun, "iterable")
-    assert rerun.replaying is False
+    # what the schedule asks to reuse a step's count when it is re-run in place
+    assert get_rerun_state_machine().state in set(RerunState)
+    assert RerunState.RERUNNING_IN_PLACE.name == "RERUNNING_IN_PLACE"
 
 
 def test_flags_are_composed_and_postprocessed(fake_results) -> None:
@@ -863,6 +889,7 @@ def test_balanced_loader_and_tp_broadcast(fake_results) -> None:
         seen += got
         assert res["valid_loader"] == "megatron-sampler"
         assert res["tp_count"] == 5
+        assert res["ddp_tp_counts"] == [3]
     assert sorted(seen) == [4, 5, 6, 7]  # global batch 1 of 4 (4 samples consumed), split over DP
 
 
@@ -1268,3 +1295,21 @@ def test_untested_tree_refused_and_the_skip_variable_never_ends_in_attribute_err
     assert "SKIPPED-TO core_v0.16.1" in proc.stdout
     assert "AttributeError" not in proc.stderr
     assert "patch point megatron.training.training.get_model skipped" in proc.stderr
+
+
+def test_a_step_rerun_in_place_reuses_its_count_on_every_rank(monkeypatch) -> None:
+    """Megatron-LM's rerun state machine re-runs a step in place on every rank (its decision is
+    collective): the schedule reuses the step's count there, also on a rank without a loader (a TP
+    rank other than the first), which used to enter the count's broadcast alone."""
+    from megatron.core import rerun_state_machine as rerun
+
+    from megatron_odc.integration.megatron_lm.schedule import PlannedCountSchedule
+
+    schedule = PlannedCountSchedule(inner=None)
+    assert schedule.planned_count(_PlanIterable([4], []), default=1) == 4
+    machine = rerun.get_rerun_state_machine()
+    monkeypatch.setattr(machine, "state", rerun.RerunState.RERUNNING_IN_PLACE)
+    no_plan_left = _PlanIterable([], [])  # asking it again would fail
+    assert schedule.planned_count(no_plan_left, default=1) == 4
+    assert schedule.planned_count(None, default=1) == 4
+    assert no_plan_left.asked == 0

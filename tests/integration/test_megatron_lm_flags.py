@@ -4,6 +4,7 @@ parse time, naming the flag, before process groups or models are built (pure, no
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 
@@ -79,7 +80,7 @@ def test_defaults_pass_and_set_per_token_loss() -> None:
 def test_megatron_lm_contract_members_refused_by_name(backend, given, flag) -> None:
     """What megatron.training (core_v0.17.1-core_v0.19.0) would run with a static schedule, whole-matrix
     owners or main_grad on the wrapper is refused at parse time, in one line naming the flag."""
-    from megatron_odc.integration.megatron_lm.flags import _refuse_virtual_stages
+    from megatron_odc.integration.megatron_lm.flags import _refuse_after_validation
 
     with pytest.raises(
         ValueError, match=f"--dp-backend {backend} does not combine with {flag}"
@@ -92,7 +93,7 @@ def test_megatron_lm_contract_members_refused_by_name(backend, given, flag) -> N
     for name, value in given.items():
         setattr(args, name, value)
     with pytest.raises(ValueError, match=f"does not combine with {flag}"):
-        _refuse_virtual_stages(args)
+        _refuse_after_validation(args)
 
 
 @pytest.mark.parametrize("backend", ["ddp", "distopt"])
@@ -161,3 +162,49 @@ def test_torch_fsdp2_refused_where_its_wrapper_fails_at_the_first_step(monkeypat
     for per_token in (False, True):
         namespace = args(per_token=per_token)
         assert parsed(namespace) is namespace
+
+
+@pytest.mark.parametrize(
+    ("backend", "balance"), [("odc", "lb_mini"), ("ddp", "lb_micro"), ("distopt", "lb_micro")]
+)
+@pytest.mark.parametrize(
+    ("given", "says"),
+    [
+        ({"dataloader_type": "cyclic"}, "needs --dataloader-type single (got cyclic)"),
+        ({"micro_batch_size": 2}, "needs --micro-batch-size 1 (got 2)"),
+        ({"rampup_batch_size": [2, 2, 100]}, "--rampup-batch-size 2 2 100 with --balance"),
+    ],
+)
+def test_what_the_balanced_loader_cannot_serve_is_refused_for_every_backend(
+    backend, balance, given, says
+) -> None:
+    """Megatron-LM's own DDP on the balanced loader (the packing baseline) gets the loader's refusals
+    too: a cyclic loader type used to be dropped silently (sequential order instead of its shuffle),
+    and ramp-up batches were planned as full ones."""
+    args = _megatron_lm_args(backend, **given)
+    args.balance = balance
+    with pytest.raises(ValueError, match=re.escape(says)) as e:
+        postprocess_odc_args(args)
+    assert "\n" not in str(e.value)
+    args = _megatron_lm_args(backend, **given)
+    args.balance = "none"  # Megatron-LM's sampler serves them all
+    postprocess_odc_args(args)
+
+
+@pytest.mark.parametrize(("backend", "balance"), [("odc", "lb_mini"), ("ddp", "lb_micro")])
+def test_skipped_iterations_are_refused_under_the_balanced_loader(backend, balance) -> None:
+    """validate_args adds the rerun tracker file's iterations to --iterations-to-skip; Megatron-LM's
+    skip step reads global-batch-size / DP microbatches per rank, which per-rank plans cannot give."""
+    from megatron_odc.integration.megatron_lm.flags import _refuse_after_validation
+
+    args = _megatron_lm_args(backend)
+    args.balance = balance
+    postprocess_odc_args(args)
+    args.virtual_pipeline_model_parallel_size = None
+    args.iterations_to_skip = []
+    _refuse_after_validation(args)
+    args.iterations_to_skip = [3, 7]
+    with pytest.raises(ValueError, match="--iterations-to-skip 3 7 .* and --balance " + balance):
+        _refuse_after_validation(args)
+    args.balance = "none"
+    _refuse_after_validation(args)

@@ -267,6 +267,7 @@ def postprocess_odc_args(args: argparse.Namespace) -> argparse.Namespace:
                 "or --dp-backend odc"
             )
         resolve_odc_args(args)  # refuses --odc-* options
+        _check_balanced_loader(args)
         if args.balance != MEGATRON_SAMPLER:
             _per_token_loss(args, f"--balance {args.balance} packs records into microbatches")
         args.use_distributed_optimizer = backend == "distopt"
@@ -284,41 +285,7 @@ def postprocess_odc_args(args: argparse.Namespace) -> argparse.Namespace:
     if args.balance is None and not simple:
         args.balance = MEGATRON_SAMPLER
     resolve_odc_args(args)
-    if args.balance != MEGATRON_SAMPLER:
-        if args.micro_batch_size != 1:
-            raise ValueError(
-                f"--balance {args.balance} with --dp-backend {backend} needs --micro-batch-size 1 "
-                f"(got {args.micro_batch_size}); pass --balance none to keep Megatron-LM's sampler"
-            )
-        if args.dataloader_type not in (None, "single"):
-            raise ValueError(
-                f"--balance {args.balance} needs --dataloader-type single "
-                f"(got {args.dataloader_type})"
-            )
-        cap = args.seq_length * args.micro_batch_size
-        if getattr(args, "sft", False):
-            # records of real lengths are packed up to the cap (data.py); each is up to seq_length
-            if args.max_tokens_per_microbatch is not None and args.max_tokens_per_microbatch < cap:
-                raise ValueError(
-                    f"--max-tokens-per-microbatch {args.max_tokens_per_microbatch} with --sft: a "
-                    f"record may hold --seq-length tokens, so it must be at least {cap}"
-                )
-        elif args.max_tokens_per_microbatch not in (None, cap):
-            raise ValueError(
-                f"--max-tokens-per-microbatch {args.max_tokens_per_microbatch}: Megatron-LM's "
-                f"microbatches are [micro_batch_size, seq_length], so it must be {cap}"
-            )
-        model_parallel = (
-            getattr(args, "tensor_model_parallel_size", 1),
-            getattr(args, "pipeline_model_parallel_size", 1),
-        )
-        if getattr(args, "balance_cost", "flops") == "measured" and model_parallel != (1, 1):
-            raise ValueError(
-                "--balance-cost measured times whole-model microbatches on each rank where its data "
-                "loader is built: it needs --tensor-model-parallel-size 1 and "
-                f"--pipeline-model-parallel-size 1 (got {model_parallel[0]} and {model_parallel[1]}); "
-                "use --balance-cost flops there"
-            )
+    _check_balanced_loader(args)
     _per_token_loss(args, f"--dp-backend {backend} lets DP ranks run different microbatch counts")
     args.tp_only_amax_red = True
     # Megatron-LM stores --fp8-format as args.fp8; TE layers are its default --transformer-impl.
@@ -334,6 +301,76 @@ def postprocess_odc_args(args: argparse.Namespace) -> argparse.Namespace:
     args.overlap_grad_reduce = False
     args.overlap_param_gather = False
     return args
+
+
+def balanced_loader_in_use(args: Any) -> bool:
+    """Whether the train split is the balanced loader's (``data.py``): a ``--dp-backend`` with a
+    ``--balance`` plan, not Megatron-LM's sampler. One fact for every rank of the job, also those
+    that build no loader (TP ranks other than the first, middle pipeline stages)."""
+    return getattr(args, "dp_backend", None) is not None and getattr(args, "balance", None) not in (
+        None,
+        MEGATRON_SAMPLER,
+    )
+
+
+def _check_balanced_loader(args: argparse.Namespace) -> None:
+    """What the balanced loader needs, for every ``--dp-backend`` (``--balance`` resolved)."""
+    if not balanced_loader_in_use(args):
+        return
+    if args.micro_batch_size != 1:
+        raise ValueError(
+            f"--balance {args.balance} with --dp-backend {args.dp_backend} needs --micro-batch-size 1 "
+            f"(got {args.micro_batch_size}); pass --balance none to keep Megatron-LM's sampler"
+        )
+    if args.dataloader_type not in (None, "single"):
+        raise ValueError(
+            f"--balance {args.balance} needs --dataloader-type single (got {args.dataloader_type})"
+        )
+    cap = args.seq_length * args.micro_batch_size
+    if getattr(args, "sft", False):
+        # records of real lengths are packed up to the cap (data.py); each is up to seq_length
+        if args.max_tokens_per_microbatch is not None and args.max_tokens_per_microbatch < cap:
+            raise ValueError(
+                f"--max-tokens-per-microbatch {args.max_tokens_per_microbatch} with --sft: a "
+                f"record may hold --seq-length tokens, so it must be at least {cap}"
+            )
+    elif args.max_tokens_per_microbatch not in (None, cap):
+        raise ValueError(
+            f"--max-tokens-per-microbatch {args.max_tokens_per_microbatch}: Megatron-LM's "
+            f"microbatches are [micro_batch_size, seq_length], so it must be {cap}"
+        )
+    model_parallel = (
+        getattr(args, "tensor_model_parallel_size", 1),
+        getattr(args, "pipeline_model_parallel_size", 1),
+    )
+    if getattr(args, "balance_cost", "flops") == "measured" and model_parallel != (1, 1):
+        raise ValueError(
+            "--balance-cost measured times whole-model microbatches on each rank where its data "
+            "loader is built: it needs --tensor-model-parallel-size 1 and "
+            f"--pipeline-model-parallel-size 1 (got {model_parallel[0]} and {model_parallel[1]}); "
+            "use --balance-cost flops there"
+        )
+    if getattr(args, "rampup_batch_size", None):
+        raise ValueError(
+            f"--rampup-batch-size {' '.join(map(str, args.rampup_batch_size))} with --balance "
+            f"{args.balance}: the balanced loader plans every step's --global-batch-size samples, "
+            "not the ramp-up's smaller batches; drop --rampup-batch-size or pass --balance none"
+        )
+
+
+def _refuse_skipped_iterations(args: argparse.Namespace) -> None:
+    """After ``validate_args``, which adds the iterations the rerun state machine's tracker file
+    lists to ``--iterations-to-skip``: Megatron-LM skips one by reading ``--global-batch-size`` / DP
+    microbatches on every rank, which the balanced loader's per-rank counts cannot give (the ranks
+    would leave the step on different global batches)."""
+    skipped = getattr(args, "iterations_to_skip", None)
+    if balanced_loader_in_use(args) and skipped:
+        raise ValueError(
+            f"--iterations-to-skip {' '.join(map(str, skipped))} (with any the rerun state machine's "
+            f"tracker file lists) and --balance {args.balance}: Megatron-LM skips an iteration by "
+            "reading --global-batch-size / DP microbatches on every rank, while the balanced loader "
+            "gives each rank its own count; drop them or pass --balance none"
+        )
 
 
 def _per_token_loss(args: argparse.Namespace, because: str) -> None:
@@ -372,12 +409,13 @@ def wrap_parse_args(original: Callable) -> Callable:
     return parse_args
 
 
-def _refuse_virtual_stages(args: argparse.Namespace) -> argparse.Namespace:
+def _refuse_after_validation(args: argparse.Namespace) -> argparse.Namespace:
     """``args`` after ``validate_args``, which derives ``virtual_pipeline_model_parallel_size`` from
     ``--num-layers-per-virtual-pipeline-stage``, ``--num-virtual-stages-per-pipeline-rank`` or
     ``--pipeline-model-parallel-layout``: the interleaved schedule is refused for the ODC engine's
-    backends before any model is built (pipeline stages themselves run megatron-core's 1F1B); and
-    :data:`MEGATRON_LM_REFUSALS` again, over what validation derived."""
+    backends before any model is built (pipeline stages themselves run megatron-core's 1F1B);
+    :data:`MEGATRON_LM_REFUSALS` again, over what validation derived; and the iterations to skip
+    under the balanced loader (:func:`_refuse_skipped_iterations`)."""
     backend = getattr(args, "dp_backend", None)
     if backend is not None:
         refuse_unsupported(
@@ -387,12 +425,13 @@ def _refuse_virtual_stages(args: argparse.Namespace) -> argparse.Namespace:
             ),
         )
         refuse_megatron_lm_flags(args)
+        _refuse_skipped_iterations(args)
     return args
 
 
 def wrap_validate_args(original: Callable) -> Callable:
     """``validate_args`` that lets ``--fp8-param-gather`` through for the ODC engine's backends and
-    then refuses virtual pipeline stages for them (:func:`_refuse_virtual_stages`).
+    then refuses what only validated arguments show (:func:`_refuse_after_validation`).
 
     ``core_v0.16.1`` asserts the flag needs its distributed optimizer (the only optimizer of its own
     that re-quantises FP8 parameters from sharded masters) unless grad mode is off, its escape for
@@ -406,9 +445,9 @@ def wrap_validate_args(original: Callable) -> Callable:
     def validate_args(args, defaults={}):  # noqa: B006 - Megatron-LM's own signature and default
         backend = getattr(args, "dp_backend", None)
         if backend not in ODC_ENGINE_BACKENDS or not getattr(args, "fp8_param_gather", False):
-            return _refuse_virtual_stages(original(args, defaults))
+            return _refuse_after_validation(original(args, defaults))
         with torch.no_grad():
-            result = _refuse_virtual_stages(original(args, defaults))
+            result = _refuse_after_validation(original(args, defaults))
         logger.info(
             "--fp8-param-gather with --dp-backend %s: ODC shards, fetches and re-quantises the FP8 "
             "parameters (Megatron-LM's distributed-optimizer requirement does not apply)",

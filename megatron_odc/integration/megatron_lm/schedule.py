@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from megatron.core import parallel_state
 
+from megatron_odc.integration.megatron_lm.flags import balanced_loader_in_use
 from megatron_odc.integration.megatron_lm.odc_log import OdcLogLine
 from megatron_odc.mcore.data_parallel import ODCDataParallel
 from megatron_odc.mcore.pipeline import agree_pipeline_count
@@ -38,7 +39,12 @@ class PlannedCountSchedule:
     baseline); anything else is passed through. The count comes from ``data_iterator.iterable.next_num_microbatches()`` (or the
     iterator's own method) when offered, else the caller's ``num_microbatches``; with TP > 1 it is
     broadcast from the TP source rank (the only one with data), with PP > 1 agreed over the pipeline
-    (:func:`~megatron_odc.mcore.pipeline.agree_pipeline_count`). During a rerun replay the last count is reused.
+    (:func:`~megatron_odc.mcore.pipeline.agree_pipeline_count`). Whether a job plans its counts is one
+    fact for all its ranks (:func:`~megatron_odc.integration.megatron_lm.flags.balanced_loader_in_use`),
+    so TP ranks and middle stages without a loader join those collectives too. When Megatron-LM's rerun
+    state machine re-runs a step in place (``--rerun-mode validate_results`` after a suspicious loss,
+    every step under ``report_stats``), every rank reuses the step's count without a collective: its
+    decision to re-run was itself collective, and the data iterators replay the same microbatches.
 
     Args:
         inner: the schedule from megatron-core's ``get_forward_backward_func``.
@@ -53,7 +59,7 @@ class PlannedCountSchedule:
     def planned_count(self, data_iterator: Any, default: int) -> int:
         """This rank's microbatch count for the next step (a collective over TP when TP > 1 and over
         the pipeline when PP > 1)."""
-        if getattr(data_iterator, "replaying", False) and self.last_num_microbatches is not None:
+        if _rerunning_in_place() and self.last_num_microbatches is not None:
             return self.last_num_microbatches
         source = _count_source(data_iterator)
         count = NO_COUNT
@@ -77,7 +83,7 @@ class PlannedCountSchedule:
 
     def _after_step(self, count: int, data_iterator: Any, chunks: list) -> None:
         """ODC's figures of the step (``odc_log.py``); a collective over DP at log iterations."""
-        if getattr(data_iterator, "replaying", False):
+        if _rerunning_in_place():
             return
         self.log.after_step(
             count,
@@ -89,7 +95,7 @@ class PlannedCountSchedule:
     def __call__(self, *, forward_step_func, data_iterator, model, num_microbatches, **kwargs):
         chunks = model if isinstance(model, list) else [model]
         odc = all(isinstance(c, ODCDataParallel) for c in chunks)
-        if kwargs.get("forward_only", False) or not (odc or _planned(data_iterator)):
+        if kwargs.get("forward_only", False) or not (odc or _planned()):
             return self.inner(
                 forward_step_func=forward_step_func,
                 data_iterator=data_iterator,
@@ -129,10 +135,19 @@ def _count_source(data_iterator: Any) -> Any:
     return getattr(data_iterator, "iterable", None)
 
 
-def _planned(data_iterator: Any) -> bool:
-    """Whether the iterator offers planned counts: the balanced loader under Megatron-LM's own DDP
-    (``--dp-backend ddp|distopt --balance lb_micro``)."""
-    return hasattr(_count_source(data_iterator), "next_num_microbatches")
+def _planned() -> bool:
+    """Whether this job's train split is the balanced loader (under Megatron-LM's own DDP:
+    ``--dp-backend ddp|distopt --balance lb_micro``), on every rank alike."""
+    from megatron.training import get_args
+
+    return balanced_loader_in_use(get_args())
+
+
+def _rerunning_in_place() -> bool:
+    """Whether Megatron-LM's rerun state machine is re-running this step in place (on every rank)."""
+    from megatron.core.rerun_state_machine import RerunState, get_rerun_state_machine
+
+    return get_rerun_state_machine().state == RerunState.RERUNNING_IN_PLACE
 
 
 def wrap_get_forward_backward_func(original: Callable) -> Callable:
