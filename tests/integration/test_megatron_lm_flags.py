@@ -208,3 +208,24 @@ def test_skipped_iterations_are_refused_under_the_balanced_loader(backend, balan
         _refuse_after_validation(args)
     args.balance = "none"
     _refuse_after_validation(args)
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_sft_packing_beyond_two_stages_needs_a_tag_that_gives_middle_stages_cu_seqlens(
+    stages,
+) -> None:
+    """core_v0.16.1's pretrain_gpt.py gives middle pipeline stages no packed-sequence parameters:
+    records packed together would attend to each other there. Refused on that tag only."""
+    from megatron_odc.integration.megatron_lm.version import installed_megatron_lm_release
+
+    release = installed_megatron_lm_release()
+    args = _megatron_lm_args("odc", sft=True, pipeline_model_parallel_size=stages)
+    args.max_tokens_per_microbatch = None
+    if stages > 2 and not release.sft_middle_stages_packed:
+        with pytest.raises(ValueError, match=f"--pipeline-model-parallel-size 3 on {release.tag}"):
+            postprocess_odc_args(args)
+    else:
+        postprocess_odc_args(args)
+    args = _megatron_lm_args("odc", sft=True, pipeline_model_parallel_size=stages)
+    args.balance = "none"
+    postprocess_odc_args(args)

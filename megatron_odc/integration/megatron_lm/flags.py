@@ -350,6 +350,18 @@ def _check_balanced_loader(args: argparse.Namespace) -> None:
             f"--pipeline-model-parallel-size 1 (got {model_parallel[0]} and {model_parallel[1]}); "
             "use --balance-cost flops there"
         )
+    stages = getattr(args, "pipeline_model_parallel_size", 1)
+    if getattr(args, "sft", False) and stages > 2:
+        from megatron_odc.integration.megatron_lm.version import installed_megatron_lm_release
+
+        release = installed_megatron_lm_release()
+        if not release.sft_middle_stages_packed:
+            raise ValueError(
+                f"--sft with --balance {args.balance} and --pipeline-model-parallel-size {stages} "
+                f"on {release.tag}: its pretrain_gpt.py gives middle pipeline stages no cu_seqlens, "
+                "so the records packed into one microbatch would attend to each other there; use at "
+                "most 2 pipeline stages, Megatron-LM core_v0.17.1 or later, or --balance none"
+            )
     if getattr(args, "rampup_batch_size", None):
         raise ValueError(
             f"--rampup-batch-size {' '.join(map(str, args.rampup_batch_size))} with --balance "

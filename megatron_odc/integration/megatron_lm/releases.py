@@ -235,6 +235,10 @@ class MegatronLmRelease:
         sft_tokenizer: the module whose ``SFTTokenizer`` indexes ``apply_chat_template(...)[0]``
             (transformers 4's result) and needs ``sft.sft_tokenizer_adapter`` under transformers 5;
             None where the tag reads both results itself (from ``core_v0.18.2``).
+        sft_middle_stages_packed: whether the tag's ``pretrain_gpt.py`` gives middle pipeline stages
+            the ``cu_seqlens`` of an ``--sft`` microbatch (from ``core_v0.17.1``); without them a
+            middle stage attends across the records the balanced loader packs together, so
+            ``--sft`` with more than 2 stages is refused there (``flags.py``).
         notes: what changed against the previous row.
     """
 
@@ -246,6 +250,7 @@ class MegatronLmRelease:
     cpu_shims: tuple[str, ...]
     model_builders: tuple[str, ...]
     sft_tokenizer: str | None
+    sft_middle_stages_packed: bool = True
     notes: str = ""
 
 
@@ -259,6 +264,7 @@ MEGATRON_LM_RELEASES: tuple[MegatronLmRelease, ...] = (
         cpu_shims=_CPU_SHIMS,
         model_builders=(f"{_TRAINING}.get_model",),
         sft_tokenizer="megatron.training.tokenizer.sft_tokenizer",
+        sft_middle_stages_packed=False,
     ),
     MegatronLmRelease(
         tag="core_v0.17.1",
