@@ -95,6 +95,12 @@ def _loaders(dataset, kind: str, dp: int = 2, **kwargs) -> list[BalancedPretrain
 def test_record_length_is_the_tokens_before_the_padding() -> None:
     assert record_length(_record(37), PAD) == 37
     assert record_length(_record(SEQ), PAD) == SEQ
+    # a trailing pad token whose label counts (pad = end of document in a pretraining sample) stays
+    record = _record(SEQ)
+    record["tokens"][-3:] = PAD
+    record["loss_mask"][-3:] = 0
+    record["loss_mask"][-2] = 1
+    assert record_length(record, PAD) == SEQ - 1
 
 
 def test_pack_records_concatenates_real_tokens_with_every_conversation_boundary() -> None:

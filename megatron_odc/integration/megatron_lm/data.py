@@ -230,10 +230,16 @@ def _fixed_width(record: dict, seq_length: int) -> bool:
 
 def record_length(record: dict, pad_id: int) -> int:
     """Real tokens of a Megatron-LM record: its length less the trailing run of ``pad_id`` tokens
-    (at least 1)."""
+    that carry no loss (at least 1). Cutting only such a trailing run changes nothing: a causal
+    model's earlier positions never see it, and it adds nothing to the loss. A pad id that is also
+    the end-of-document token (a pretraining sample with ``--dataloader-inter-document-masking``
+    ending in one) keeps the tokens whose label counts."""
     tokens = record["tokens"].reshape(-1)
-    not_pad = torch.nonzero(tokens != pad_id)
-    return max(int(not_pad[-1]) + 1, 1) if not_pad.numel() else 1
+    kept = tokens != pad_id
+    if "loss_mask" in record:
+        kept |= record["loss_mask"].reshape(-1) != 0
+    last = torch.nonzero(kept)
+    return max(int(last[-1]) + 1, 1) if last.numel() else 1
 
 
 def pack_records(
