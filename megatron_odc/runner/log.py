@@ -42,6 +42,12 @@ def info_once(logger: logging.Logger, message: str, *args: object) -> None:
     logger.info(message, *args)
 
 
+@functools.cache
+def warning_once(logger: logging.Logger, message: str, *args: object) -> None:
+    """``logger.warning(message, *args)`` once per process (as :func:`info_once`)."""
+    logger.warning(message, *args)
+
+
 def _rank_local_or_error(record: logging.LogRecord) -> bool:
     """The filter of ranks other than 0: errors, and warnings of :data:`RANK_LOCAL_LOGGERS`."""
     return record.levelno >= logging.ERROR or any(

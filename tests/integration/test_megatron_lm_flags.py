@@ -229,3 +229,19 @@ def test_sft_packing_beyond_two_stages_needs_a_tag_that_gives_middle_stages_cu_s
     args = _megatron_lm_args("odc", sft=True, pipeline_model_parallel_size=stages)
     args.balance = "none"
     postprocess_odc_args(args)
+
+
+def test_moe_auxiliary_losses_under_the_balanced_loader_are_named_once(caplog) -> None:
+    """MoE auxiliary losses are per microbatch: packing changes them, which one warning says."""
+    args = _megatron_lm_args("odc", num_experts=4, moe_aux_loss_coeff=[0.01], moe_z_loss_coeff=None)
+    with caplog.at_level("WARNING", logger="megatron_odc"):
+        postprocess_odc_args(args)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    (message,) = warned
+    assert "MoE auxiliary losses" in message
+    assert "--balance lb_mini" in message
+    caplog.clear()
+    args = _megatron_lm_args("odc", num_experts=4, moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None)
+    with caplog.at_level("WARNING", logger="megatron_odc"):
+        postprocess_odc_args(args)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]

@@ -32,7 +32,7 @@ from megatron_odc.integration.megatron_lm.sft import apply_sft_args
 from megatron_odc.integration.megatron_lm.torch_fsdp2 import refuse_broken_torch_fsdp2
 from megatron_odc.mcore.config import ODC_ENGINE_BACKENDS, refuse_unsupported
 from megatron_odc.runner.launch_env import apply_launch_env
-from megatron_odc.runner.log import info_once
+from megatron_odc.runner.log import info_once, warning_once
 from megatron_odc.runner.odc_flags import MEGATRON_SAMPLER, add_odc_arguments, resolve_odc_args
 
 logger = logging.getLogger(__name__)
@@ -362,12 +362,32 @@ def _check_balanced_loader(args: argparse.Namespace) -> None:
                 "so the records packed into one microbatch would attend to each other there; use at "
                 "most 2 pipeline stages, Megatron-LM core_v0.17.1 or later, or --balance none"
             )
+    if getattr(args, "num_experts", None) and (
+        _coefficient(getattr(args, "moe_aux_loss_coeff", 0.0))
+        or _coefficient(getattr(args, "moe_z_loss_coeff", None))
+    ):
+        warning_once(
+            logger,
+            "--num-experts with --balance %s: MoE auxiliary losses (--moe-aux-loss-coeff, "
+            "--moe-z-loss-coeff) are computed and weighted per microbatch, so a run that packs the "
+            "same samples into other microbatches (this plan, or Megatron-LM's sampler) trains with "
+            "other auxiliary-loss terms; the language-model loss and its gradients stay the same",
+            args.balance,
+        )
     if getattr(args, "rampup_batch_size", None):
         raise ValueError(
             f"--rampup-batch-size {' '.join(map(str, args.rampup_batch_size))} with --balance "
             f"{args.balance}: the balanced loader plans every step's --global-batch-size samples, "
             "not the ramp-up's smaller batches; drop --rampup-batch-size or pass --balance none"
         )
+
+
+def _coefficient(value: Any) -> float:
+    """The largest of a loss coefficient Megatron-LM parses as a number or a list (None: 0)."""
+    if value is None:
+        return 0.0
+    values = value if isinstance(value, list | tuple) else [value]
+    return max((abs(float(v)) for v in values), default=0.0)
 
 
 def _refuse_skipped_iterations(args: argparse.Namespace) -> None:
