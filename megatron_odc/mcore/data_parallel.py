@@ -42,7 +42,12 @@ from megatron_odc.mcore.config import LOCKSTEP_TRANSPORT, ODCConfig, refuse_unsu
 from megatron_odc.mcore.fp8_te import select_fp8_codec
 from megatron_odc.mcore.pipeline import TiedEmbedding, shared_embedding_names
 from megatron_odc.mcore.releases import current_release
-from megatron_odc.mcore.units import ROOT_UNIT, model_units, tp_replicated
+from megatron_odc.mcore.units import (
+    ROOT_UNIT,
+    model_units,
+    refuse_unmarked_tp_weights,
+    tp_replicated,
+)
 from megatron_odc.transport import build_transport, resolve_transport_name
 from megatron_odc.transport.devices import all_reduce_on_group_device
 
@@ -136,6 +141,7 @@ class ODCDataParallel(DistributedDataParallel):
             self.dp_group = parallel_state.get_data_parallel_group()
             self.tp_group = parallel_state.get_tensor_model_parallel_group()
             embedding_group = parallel_state.get_embedding_group(check_initialized=False)
+        refuse_unmarked_tp_weights(module, dist.get_world_size(self.tp_group))
         # Attributes megatron-core and Megatron-LM read off a DDP wrapper.
         self.buffers = []
         self.expert_parallel_buffers = []

@@ -5,7 +5,8 @@ parameter (embeddings, final norm, output layer, a tied embedding used at both e
 unit, fetched for the whole forward and backward of a microbatch. :func:`model_units` returns the units
 in forward order and each parameter's unit, root first. Also owns the TP-replicated sets
 (:func:`tp_replicated`): parameters whose owned gradient slices are summed or averaged over TP after the
-fence. With pipeline stages each stage's chunk is cut on its own ([Note: ODC with pipeline stages] in
+fence, told from megatron-core's ``tensor_model_parallel`` attribute, which
+:func:`refuse_unmarked_tp_weights` checks is there. With pipeline stages each stage's chunk is cut on its own ([Note: ODC with pipeline stages] in
 ``pipeline.py``).
 """
 
@@ -67,6 +68,38 @@ class TPReplicated:
 
     summed: frozenset[str]
     averaged: frozenset[str]
+
+
+def refuse_unmarked_tp_weights(module: torch.nn.Module, tp_size: int) -> None:
+    """With TP > 1, every weight of megatron-core's own tensor-parallel layers must carry
+    ``tensor_model_parallel``: :func:`tp_replicated` would otherwise take it for a replicated weight
+    and average its shards' gradients over TP, and the weight export would not gather it. megatron-core
+    before 0.19 sets the attribute only when ``config.perform_initialization`` is True (a model built
+    on the meta device or for loading weights later has none).
+
+    Raises:
+        ValueError: one line naming the first such weight and what to change.
+    """
+    if tp_size <= 1:
+        return
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+    )
+
+    for name, sub in module.named_modules():
+        if not isinstance(sub, ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding):
+            continue
+        weight = getattr(sub, "weight", None)
+        if weight is not None and not getattr(weight, "tensor_model_parallel", False):
+            raise ValueError(
+                f"{name}.weight ({type(sub).__name__}, split over {tp_size} TP ranks) has no "
+                "tensor_model_parallel attribute, which megatron-core before 0.19 sets only with "
+                "config.perform_initialization=True: ODC would take it for a replicated weight; "
+                "build the model with perform_initialization=True or set the attributes "
+                "(megatron.core.tensor_parallel.set_tensor_model_parallel_attributes) before wrapping"
+            )
 
 
 def tp_replicated(

@@ -692,9 +692,29 @@ def _run_dp4(rank: int, world_size: int) -> dict:
         start = time.monotonic()
         out["backends"] = _check_backends(BACKEND_STEPS)
         out["seconds"]["backends"] = round(time.monotonic() - start, 2)
+        out["unmarked_tp_weights"] = _check_unmarked_tp_weights()
     finally:
         teardown_megatron()
     return out
+
+
+def _check_unmarked_tp_weights() -> str:
+    """TP=2: a model whose tensor-parallel weights lack ``tensor_model_parallel`` (what megatron-core
+    before 0.19 builds with ``perform_initialization=False``) is refused, not averaged over TP."""
+    from megatron_odc.mcore.backends import build_backend
+    from megatron_odc.mcore.model import GPTConfig, build_gpt_model
+
+    cfg = GPTConfig(**CFG_KW)
+    model = build_gpt_model(cfg, seed=11)
+    for param in model.parameters():
+        for attribute in ("tensor_model_parallel", "partition_dim", "partition_stride"):
+            if hasattr(param, attribute):
+                delattr(param, attribute)
+    try:
+        build_backend("odc", model, _optimizer_config(cfg), odc_config=ODCConfig())
+    except ValueError as error:
+        return str(error)
+    return "not refused"
 
 
 def _check_backends(steps: int) -> dict:
@@ -987,6 +1007,17 @@ def test_bad_input_fails_at_construction_with_clear_errors(dp2) -> None:
 
 
 # ---------------------------------------------------------------------- tests: backends
+
+
+def test_tp_weights_without_their_attribute_are_refused(dp4) -> None:
+    """A TP-split weight without ``tensor_model_parallel`` would be averaged over TP: refused, naming
+    the weight, in one line."""
+    for rank, world in enumerate(dp4):
+        message = world["unmarked_tp_weights"]
+        assert "weight (" in message, (rank, message)
+        assert "has no tensor_model_parallel attribute" in message, (rank, message)
+        assert "perform_initialization=True" in message
+        assert "\n" not in message
 
 
 def test_fsdp_odc_ddp_distopt_agree_tp2_dp2(dp4) -> None:

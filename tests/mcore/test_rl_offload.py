@@ -52,6 +52,11 @@ def _train(transport: str, offload_after: int | None) -> dict:
                 * (1 + (dist.get_world_size() if transport.spec(name).accumulate else 0))
                 for name in transport.buffer_names
             )
+            try:  # a model that trains, offloaded without its optimizer: refused, nothing moved
+                offload([model])
+                out["model_only"] = "not refused"
+            except ValueError as error:
+                out["model_only"] = str(error)
             moved = offload([model], optimizer)
             out["bytes"]["offloaded"] = device_nbytes([model], optimizer)
             try:
@@ -121,6 +126,8 @@ def test_offload_frees_every_device_byte_and_onload_restores_them(world, transpo
         assert offloaded.total == 0, (rank, offloaded)
         assert onloaded == before, (rank, onloaded, before)
         assert "offloaded; onload them first" in run["fetch_while_offloaded"]
+        assert "chunk 0 trains" in run["model_only"], run["model_only"]
+        assert "offload(model_chunks, optimizer)" in run["model_only"]
     before = world[0][transport][1]["bytes"]["before"]
     logging.getLogger(__name__).info(
         "%s transport, rank 0: device bytes before offload %s (total %d), offloaded 0, onloaded equal",

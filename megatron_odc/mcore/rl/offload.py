@@ -82,9 +82,18 @@ class Offloaded:
 
 def offload(model_chunks: Sequence, optimizer=None, host: torch.device | str = "cpu") -> Offloaded:
     """Move every ODC chunk's shards and the optimizer's tensors (``optimizer=None``: a frozen
-    reference model's chunks) to ``host`` (collective; between steps). Until :func:`onload`,
-    nothing may run a step, fetch or save."""
+    reference model's chunks; refused for chunks that train, whose optimizer's gradient views must be
+    rebound at onload) to ``host`` (collective; between steps). Until :func:`onload`, nothing may
+    run a step, fetch or save."""
     chunks = list(model_chunks)
+    trained = [i for i, chunk in enumerate(chunks) if chunk.engine.gradients]
+    if optimizer is None and trained:
+        raise ValueError(
+            f"offload: chunk {trained[0]} trains (it has gradient accumulators) but no optimizer was "
+            "passed; its optimizer's gradient views point into those accumulators and must be "
+            "rebound at onload, so pass offload(model_chunks, optimizer) (optimizer=None is for a "
+            "frozen reference model)"
+        )
     host = torch.device(host)
     moved: list[tuple[torch.Tensor, torch.Tensor]] = []
     seen: set[int] = set()
