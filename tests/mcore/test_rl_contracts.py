@@ -44,6 +44,33 @@ def test_inexact_or_contradicted_loss_contracts_are_refused(contract, per_token,
 
 
 @pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"num_moe_experts": 4, "moe_aux_loss_coeff": 0.01}, "MoE auxiliary losses"),
+        ({"num_moe_experts": 4, "moe_z_loss_coeff": [0.001]}, "MoE auxiliary losses"),
+        ({"mtp_num_layers": 1}, "multi-token prediction"),
+    ],
+)
+def test_global_tokens_with_count_scaled_auxiliary_losses_is_refused(extra, named) -> None:
+    """megatron-core scales MoE / MTP auxiliary losses by 1 / the local count without per-token loss:
+    with verl's contract a rank with fewer microbatches would weigh them more."""
+    from megatron_odc.mcore.rl.loop import check_loss_contract
+
+    config = types.SimpleNamespace(calculate_per_token_loss=False, **extra)
+    with pytest.raises(ValueError, match=f"'global_tokens' with {named}") as error:
+        check_loss_contract("global_tokens", config)
+    assert "declare 'per_token'" in str(error.value)
+    assert "\n" not in str(error.value)
+    check_loss_contract("per_token", types.SimpleNamespace(calculate_per_token_loss=True, **extra))
+    check_loss_contract(
+        "global_tokens",
+        types.SimpleNamespace(
+            calculate_per_token_loss=False, num_moe_experts=4, moe_aux_loss_coeff=0.0
+        ),
+    )
+
+
+@pytest.mark.parametrize(
     ("optimizer", "named"),
     [
         (("muon",), "--optimizer 'muon' is not supported by the ODC optimizer"),

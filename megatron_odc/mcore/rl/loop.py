@@ -110,7 +110,31 @@ def check_loss_contract(name: str, config: Any) -> LossContract:
             f"calculate_per_token_loss={contract.calculate_per_token_loss}, the model has "
             f"{config.calculate_per_token_loss}"
         )
+    auxiliary = _count_scaled_auxiliary_losses(config)
+    if auxiliary and not contract.calculate_per_token_loss:
+        raise ValueError(
+            f"loss contract {name!r} with {' and '.join(auxiliary)}: without "
+            "calculate_per_token_loss megatron-core scales those losses by 1 / the rank's own "
+            "microbatch count, which weighs a rank with fewer microbatches more when counts differ; "
+            "declare 'per_token' (calculate_per_token_loss=True)"
+        )
     return contract
+
+
+def _count_scaled_auxiliary_losses(config: Any) -> list[str]:
+    """The auxiliary losses of ``config`` that megatron-core's schedule scales by the local
+    microbatch count unless ``calculate_per_token_loss`` (MoE load-balancing / z-loss, MTP)."""
+    found = []
+    coefficients = [
+        getattr(config, "moe_aux_loss_coeff", 0.0),
+        getattr(config, "moe_z_loss_coeff", None),
+    ]
+    flat = [c for v in coefficients for c in (v if isinstance(v, list | tuple) else [v])]
+    if getattr(config, "num_moe_experts", None) and any(c for c in flat if c is not None):
+        found.append("MoE auxiliary losses (moe_aux_loss_coeff / moe_z_loss_coeff)")
+    if getattr(config, "mtp_num_layers", None):
+        found.append("multi-token prediction (mtp_num_layers)")
+    return found
 
 
 def contract_of(config: Any) -> tuple[str, LossContract]:
