@@ -45,6 +45,7 @@ def _run(rank: int, world_size: int) -> dict:
             odc_config=odc,
         )
         reference = build_reference(build_gpt_model(cfg, seed=11), odc_config=odc)
+        training_modules = sum(m.training for m in reference.modules())
         batches = [make_batch(cfg, 1, seed=50 + 10 * rank + i) for i in range(2)]
         train_step(policy, optimizer, gpt_forward_step, batches, seq_length=cfg.seq_length)
         equal = []
@@ -93,6 +94,7 @@ def _run(rank: int, world_size: int) -> dict:
             equal_after_onload = torch.equal(reference(*args), bare(*args))
         engine = reference.engine
         out = {
+            "training_modules": training_modules,
             "offloaded_bytes": offloaded_bytes,
             "equal_after_onload": equal_after_onload,
             "scheduled_equal": equal_scheduled,
@@ -139,6 +141,7 @@ def test_reference_forward_equals_the_unwrapped_model_with_uneven_counts(world) 
 def test_reference_has_no_gradients_pushes_or_optimizer_and_holds_its_shards_only(world) -> None:
     for rank, res in enumerate(world):
         assert res["grad_buffers"] == [], rank
+        assert res["training_modules"] == 0, rank  # eval mode: dropout off
         assert res["pushes"] == 0, rank
         assert res["grad_hooks"] == 0, rank
         assert res["unsharded_after"] == 0, rank

@@ -23,7 +23,8 @@ from megatron_odc.mcore.data_parallel import ODCDataParallel
 def build_reference(
     model: torch.nn.Module, *, odc_config: ODCConfig | None = None
 ) -> ODCDataParallel:
-    """Freeze ``model`` (``requires_grad=False`` on every parameter) and wrap it without gradients.
+    """Freeze ``model`` (``requires_grad=False`` on every parameter) and wrap it without gradients,
+    in eval mode (its dropout off, so that its log-probs of the same samples are the same).
 
     Args:
         model: a megatron-core model (``GPTModel`` or ``Float16Module``) with the reference weights,
@@ -32,6 +33,7 @@ def build_reference(
     """
     for param in model.parameters():
         param.requires_grad_(False)
-    return ODCDataParallel(
+    reference = ODCDataParallel(
         model.config, DistributedDataParallelConfig(), model, odc_config=odc_config, frozen=True
     )
+    return reference.eval()  # dropout off: the same log-probs for the same samples
