@@ -230,7 +230,9 @@ class ODCEngine:
         """The state of a unit's buckets (they move together)."""
         return self.buckets.of_unit(unit)
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
+        """Raise one line if the engine is closed or its owned shards are offloaded (their storage
+        freed: reading them would crash the process)."""
         if self._closed:
             raise RuntimeError(f"DP rank {self.dp_rank}: the ODC engine is closed")
         if self._host_shards is not None:
@@ -245,7 +247,7 @@ class ODCEngine:
 
         A no-op unless the unit is released. ``finish_fetch`` makes compute wait for it.
         """
-        self._check_open()
+        self.check_open()
         if self.unit_state(unit) is not BucketState.SHARDED:
             return
         with self.telemetry.timed("fetch_wait_s"):
@@ -263,7 +265,7 @@ class ODCEngine:
 
     def finish_fetch(self, unit: str) -> None:
         """Make compute wait for the unit's fetch; afterwards its parameters may be used."""
-        self._check_open()
+        self.check_open()
         if self.unit_state(unit) is not BucketState.FETCHING:
             return
         with self.telemetry.timed("fetch_wait_s"):
@@ -306,7 +308,7 @@ class ODCEngine:
 
     def begin_backward(self, unit: str) -> None:
         """Start collecting the unit's gradients: bind ``param.main_grad`` into a zeroed grad buffer."""
-        self._check_open()
+        self.check_open()
         if not self.gradients:
             raise RuntimeError(
                 f"DP rank {self.dp_rank}: a backward reached unit {unit!r} of a frozen ODC model "
@@ -358,7 +360,7 @@ class ODCEngine:
         Issued on the push stream after the compute that produced the gradients; the unsharded gradient
         buffers stay alive until compute has waited for their push (see ``max_pushes_in_flight``).
         """
-        self._check_open()
+        self.check_open()
         if self.unit_state(unit) is not BucketState.PUSHING:
             self.buckets.move_unit(unit, BucketState.UNSHARDED, "push")  # raises: nothing to push
         self.minibatch.move("push")
@@ -427,7 +429,7 @@ class ODCEngine:
         last minibatch, or an abandoned one) fence, zero the owned accumulators, fence again: the first
         fence waits for peers' late pushes, the second for everyone's zeroing.
         """
-        self._check_open()
+        self.check_open()
         for unit in self.layout.units:
             if self.unit_state(unit) is BucketState.PUSHING:
                 if unit in self.kept_units and not self._ready[unit]:
@@ -455,7 +457,7 @@ class ODCEngine:
     def finish_minibatch(self) -> None:
         """Push what is left (kept units: their whole minibatch), release every unit, flush, and
         fence: every owner now holds the full gradient sums."""
-        self._check_open()
+        self.check_open()
         self.finish_backward()
         self.release_all()
         with self.telemetry.timed("fence_s"):
@@ -484,7 +486,7 @@ class ODCEngine:
         Raises:
             RuntimeError: the minibatch's pushes were not fenced yet (``finish_minibatch``).
         """
-        self._check_open()
+        self.check_open()
         self.minibatch.move("end_step")
         self.owned.zero_grads()
         with self.telemetry.timed("fence_s"):
@@ -505,7 +507,7 @@ class ODCEngine:
         just before, a fetch of an abandoned minibatch); a fence after this rank's own operations
         completes waits for them, so the write cannot land under a peer's read.
         """
-        self._check_open()
+        self.check_open()
         self._complete_own_operations()
         self.transport.fence()
 
@@ -581,7 +583,7 @@ class ODCEngine:
         Raises:
             RuntimeError: called inside a minibatch, or twice.
         """
-        self._check_open()
+        self.check_open()
         if self.offloaded:
             raise RuntimeError(f"DP rank {self.dp_rank}: the owned shards are already offloaded")
         if self.phase is not MinibatchPhase.READY:

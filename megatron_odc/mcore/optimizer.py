@@ -19,6 +19,7 @@ reductions run on the process group's device.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from collections.abc import Callable
@@ -127,6 +128,19 @@ def check_optimizer_config(config: OptimizerConfig) -> None:
         use_precision_aware_optimizer=config.use_precision_aware_optimizer,
         optimizer_cuda_graph=getattr(config, "optimizer_cuda_graph", None),  # 0.17+ field
     )
+
+
+def _onloaded(method: Callable) -> Callable:
+    """``method`` refused in one line while the engines' shards are offloaded (``rl/offload.py``):
+    the optimizer's tensors are freed then, and reading them would crash the process."""
+
+    @functools.wraps(method)
+    def checked(self, *args, **kwargs):
+        for engine in self.engines:
+            engine.check_open()
+        return method(self, *args, **kwargs)
+
+    return checked
 
 
 class ODCOptimizer(MegatronOptimizer):
@@ -272,6 +286,7 @@ class ODCOptimizer(MegatronOptimizer):
     def _owned_grads(self) -> list[torch.Tensor]:
         return [piece.main.grad for piece in self.pieces]
 
+    @_onloaded
     @torch.no_grad()
     def prepare_grads(self) -> bool:
         """Unscale the owned gradients (fp16); return whether any rank found inf/nan."""
@@ -331,12 +346,14 @@ class ODCOptimizer(MegatronOptimizer):
         grads = self.get_grads_for_grad_norm(grad_norm_group)
         return math.sqrt(self._sum_over_model(lambda g: g.double().pow(2).sum(), grads))
 
+    @_onloaded
     @torch.no_grad()
     def get_grad_norm(self) -> float:
         """L2 norm of the model's gradient (each element once, over DP and TP), without the
         parameters of a separate norm group (as megatron-core 0.19's main norm)."""
         return self._norm()
 
+    @_onloaded
     @torch.no_grad()
     def clip_grad_norm(self, clip_grad: float) -> float:
         """Compute the main grad norm and scale its owned gradients down to ``clip_grad``; each
@@ -353,11 +370,13 @@ class ODCOptimizer(MegatronOptimizer):
                         piece.main.grad.mul_(clip_coeff)
         return grad_norm
 
+    @_onloaded
     @torch.no_grad()
     def count_zeros(self) -> float:
         """Number of zero gradient elements over the whole model."""
         return self._sum_over_model(lambda g: (g == 0).sum())
 
+    @_onloaded
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:
         """Inner optimizer step, then write the compute-dtype shards peers will fetch."""
@@ -372,6 +391,7 @@ class ODCOptimizer(MegatronOptimizer):
         for engine in self.engines:
             engine.end_step()
 
+    @_onloaded
     @torch.no_grad()
     def step(self) -> tuple[bool, float | None, float | None]:
         """One optimizer step; returns ``(update_successful, grad_norm, num_zeros_in_grad)``."""
@@ -420,6 +440,7 @@ class ODCOptimizer(MegatronOptimizer):
                     main = mains[piece.bucket_index][piece.shard_lo : piece.shard_hi]
                     main.copy_(engine.owned.piece_values(piece))
 
+    @_onloaded
     def reload_model_params(self, state_dict=None) -> None:
         """Refresh the fp32 main shards from the model's (compute-dtype) shards, e.g. after a load."""
         self._copy_model_params_to_main_params(state_dict)
@@ -473,6 +494,7 @@ class ODCOptimizer(MegatronOptimizer):
                     total += value.nbytes
         return total
 
+    @_onloaded
     def state_dict(self) -> dict:
         """Inner optimizer state (owned pieces only), loss scaler and fp32 main shards."""
         self._settle_main_params()
@@ -482,6 +504,7 @@ class ODCOptimizer(MegatronOptimizer):
             "main_shards": [[m.clone() for m in mains] for mains in self._main_shards],
         }
 
+    @_onloaded
     def load_state_dict(self, state_dict: dict) -> None:
         """Load what ``state_dict()`` returned on the same DP layout, or a dist-checkpoint load.
 
@@ -513,6 +536,7 @@ class ODCOptimizer(MegatronOptimizer):
         self._copy_main_params_to_model_params()
         self._end_step()
 
+    @_onloaded
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
         """The optimizer's torch_dist state: owned-slice boxes under DistOpt's fully-reshardable keys.
 

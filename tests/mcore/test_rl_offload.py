@@ -64,6 +64,15 @@ def _train(transport: str, offload_after: int | None) -> dict:
                 out["fetch_while_offloaded"] = "not refused"
             except RuntimeError as error:
                 out["fetch_while_offloaded"] = str(error)
+            # the optimizer's tensors are freed: reading them would crash the process (it did:
+            # SIGSEGV in state_dict's clone of a main shard), so each is refused in one line
+            out["optimizer_while_offloaded"] = {}
+            for name, call in (("step", optimizer.step), ("state_dict", optimizer.state_dict)):
+                try:
+                    call()
+                    out["optimizer_while_offloaded"][name] = "not refused"
+                except RuntimeError as error:
+                    out["optimizer_while_offloaded"][name] = str(error)
             onload(moved)
             out["bytes"]["onloaded"] = device_nbytes([model], optimizer)
         batches = [make_batch(cfg, 1, seed=100 * step + 10 * rank + i) for i in range(counts[rank])]
@@ -126,6 +135,8 @@ def test_offload_frees_every_device_byte_and_onload_restores_them(world, transpo
         assert offloaded.total == 0, (rank, offloaded)
         assert onloaded == before, (rank, onloaded, before)
         assert "offloaded; onload them first" in run["fetch_while_offloaded"]
+        for name, message in run["optimizer_while_offloaded"].items():
+            assert "offloaded; onload them first" in message, (rank, name, message)
         assert "chunk 0 trains" in run["model_only"], run["model_only"]
         assert "offload(model_chunks, optimizer)" in run["model_only"]
     before = world[0][transport][1]["bytes"]["before"]
