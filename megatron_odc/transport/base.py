@@ -95,7 +95,7 @@ class Transport(abc.ABC):
         ``ValueError`` naming the rank that differs. ``accumulate=False`` declares the buffer read-only
         for peers: ``accumulate`` into it raises ``ValueError``.
         """
-        self.check_open()
+        self._check_open()
         if not isinstance(name, str) or not name:
             raise ValueError(f"buffer name must be a non-empty string, got {name!r}")
         if name in self._specs:
@@ -112,14 +112,14 @@ class Transport(abc.ABC):
 
     def local(self, name: str) -> torch.Tensor:
         """This rank's own shard of buffer ``name`` (a tensor on shared memory)."""
-        self.check_open()
+        self._check_open()
         self._spec(name)
         return self._local[name]
 
     def local_nbytes(self) -> int:
         """Bytes of transport memory this rank holds: its shards, plus what a backend adds per buffer
         (the deterministic mode's staging slots)."""
-        self.check_open()
+        self._check_open()
         return sum(self._local[name].nbytes for name in self._specs) + self._extra_local_nbytes()
 
     def _extra_local_nbytes(self) -> int:
@@ -234,12 +234,12 @@ class Transport(abc.ABC):
 
     # ------------------------------------------------------------------ checks
 
-    def check_open(self) -> None:
+    def _check_open(self) -> None:
         if self._closed:
             raise TransportError(f"rank {self.rank}: {type(self).__name__} is closed")
 
     def _spec(self, name: str) -> BufferSpec:
-        self.check_open()
+        self._check_open()
         try:
             return self._specs[name]
         except KeyError:

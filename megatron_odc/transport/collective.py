@@ -138,7 +138,7 @@ class CollectiveTransport(Transport):
 
     def flush(self) -> None:
         """Collectives are synchronous: nothing is outstanding."""
-        self.check_open()
+        self._check_open()
 
     def fence(self) -> None:
         """A barrier over the group (monitored, naming missing ranks, when ``timeout_s`` is set on gloo).
@@ -146,7 +146,7 @@ class CollectiveTransport(Transport):
         Raises:
             TransportError: a monitored barrier timed out or a peer failed.
         """
-        self.check_open()
+        self._check_open()
         if not self._monitored:
             dist.barrier(group=self._group)
             return

@@ -444,7 +444,7 @@ class CudaSymmTransport(Transport):
 
     def flush(self) -> None:
         """Wait (host-side) until this rank's gets and accumulates, on any stream, are complete."""
-        self.check_open()
+        self._check_open()
         torch.cuda.synchronize(self.device)
 
     def _extra_local_nbytes(self) -> int:

@@ -363,7 +363,7 @@ class MpiTransport(Transport):
 
     def flush(self) -> None:
         """Wait until this rank's earlier gets and accumulates are complete at their targets."""
-        self.check_open()
+        self._check_open()
         for arena in self._arenas:
             arena.win.Flush_all()
 

@@ -429,7 +429,7 @@ class NvshmemTransport(CudaSymmTransport):
             TransportError: a rank did not arrive within ``timeout_s`` or died (named), or the transport
                 is closed.
         """
-        self.check_open()
+        self._check_open()
         self._written.clear()  # every slot is zero again once this fence returns
         super().fence()
 

@@ -532,7 +532,7 @@ class ShmTransport(Transport):
 
     def flush(self) -> None:
         """Nothing is asynchronous yet: every get and accumulate is complete when it returns."""
-        self.check_open()
+        self._check_open()
 
     def fence(self) -> None:
         """Wait until every rank of the group has reached the same number of fences.
@@ -545,7 +545,7 @@ class ShmTransport(Transport):
             TransportError: a peer died (named with its pid), or some ranks did not arrive within
                 ``timeout_s`` (named), or the transport is closed.
         """
-        self.check_open()
+        self._check_open()
         self._fence_count += 1
         self._barrier("")
         if self._staging_views:
