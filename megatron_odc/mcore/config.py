@@ -6,7 +6,9 @@ Owns, each written once:
 - :class:`ODCConfig`, ODC's own options (one frozen dataclass whose ``__post_init__`` holds every check);
 - :data:`UNSUPPORTED` and :func:`refuse_unsupported`, the Megatron features a backend does not combine
   with, each with its flag and reason; :func:`check_pipeline_layers`, the one layout megatron-core
-  cannot build that the entries check before building a model.
+  cannot build that the entries check before building a model;
+- :func:`moe_auxiliary_losses_on`, whether a MoE model has the per-microbatch auxiliary losses that
+  the loss contracts and packed plans must account for.
 
 Imports megatron nothing: the entries (``runner/``, ``integration/``) and the adapter (``data_parallel.py``,
 ``optimizer.py``) call these with what they know.
@@ -270,6 +272,22 @@ def refuse_unsupported(backend: str, **settings: Any) -> None:
                 f"--dp-backend {backend} does not combine with {rule.flag}: "
                 f"{rule.reason_for(backend)}"
             )
+
+
+def moe_auxiliary_losses_on(num_experts: int | None, *coefficients: Any) -> bool:
+    """Whether a MoE model (``num_experts`` experts) has an auxiliary loss: any of ``coefficients``
+    (``moe_aux_loss_coeff``, ``moe_z_loss_coeff``: a number, a list of them, or None) is non-zero.
+    megatron-core computes those losses per microbatch and scales them by the local microbatch count
+    unless ``calculate_per_token_loss``."""
+    if not num_experts:
+        return False
+    values = [
+        v
+        for c in coefficients
+        if c is not None
+        for v in (c if isinstance(c, list | tuple) else [c])
+    ]
+    return any(float(v) != 0 for v in values)
 
 
 def check_pipeline_layers(num_layers: int, pipeline_stages: int) -> None:

@@ -30,7 +30,11 @@ from megatron_odc.balance.plan import EQUAL_COUNT_PLAN_KINDS, PLAN_KINDS
 from megatron_odc.core.fp8 import check_fp8_flags
 from megatron_odc.integration.megatron_lm.sft import apply_sft_args
 from megatron_odc.integration.megatron_lm.torch_fsdp2 import refuse_broken_torch_fsdp2
-from megatron_odc.mcore.config import ODC_ENGINE_BACKENDS, refuse_unsupported
+from megatron_odc.mcore.config import (
+    ODC_ENGINE_BACKENDS,
+    moe_auxiliary_losses_on,
+    refuse_unsupported,
+)
 from megatron_odc.runner.launch_env import apply_launch_env
 from megatron_odc.runner.log import info_once, warning_once
 from megatron_odc.runner.odc_flags import MEGATRON_SAMPLER, add_odc_arguments, resolve_odc_args
@@ -350,7 +354,7 @@ def _check_balanced_loader(args: argparse.Namespace) -> None:
             f"--pipeline-model-parallel-size 1 (got {model_parallel[0]} and {model_parallel[1]}); "
             "use --balance-cost flops there"
         )
-    stages = getattr(args, "pipeline_model_parallel_size", 1)
+    stages = model_parallel[1]
     if getattr(args, "sft", False) and stages > 2:
         from megatron_odc.integration.megatron_lm.version import installed_megatron_lm_release
 
@@ -362,9 +366,10 @@ def _check_balanced_loader(args: argparse.Namespace) -> None:
                 "so the records packed into one microbatch would attend to each other there; use at "
                 "most 2 pipeline stages, Megatron-LM core_v0.17.1 or later, or --balance none"
             )
-    if getattr(args, "num_experts", None) and (
-        _coefficient(getattr(args, "moe_aux_loss_coeff", 0.0))
-        or _coefficient(getattr(args, "moe_z_loss_coeff", None))
+    if moe_auxiliary_losses_on(
+        getattr(args, "num_experts", None),
+        getattr(args, "moe_aux_loss_coeff", 0.0),
+        getattr(args, "moe_z_loss_coeff", None),
     ):
         warning_once(
             logger,
@@ -380,14 +385,6 @@ def _check_balanced_loader(args: argparse.Namespace) -> None:
             f"{args.balance}: the balanced loader plans every step's --global-batch-size samples, "
             "not the ramp-up's smaller batches; drop --rampup-batch-size or pass --balance none"
         )
-
-
-def _coefficient(value: Any) -> float:
-    """The largest of a loss coefficient Megatron-LM parses as a number or a list (None: 0)."""
-    if value is None:
-        return 0.0
-    values = value if isinstance(value, list | tuple) else [value]
-    return max((abs(float(v)) for v in values), default=0.0)
 
 
 def _refuse_skipped_iterations(args: argparse.Namespace) -> None:

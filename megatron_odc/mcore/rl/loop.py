@@ -41,7 +41,12 @@ from megatron.core.optimizer import OptimizerConfig
 from megatron.core.utils import get_model_config
 
 from megatron_odc.mcore.backends import build_backend
-from megatron_odc.mcore.config import LOCKSTEP_TRANSPORT, ODC_ENGINE_BACKENDS, ODCConfig
+from megatron_odc.mcore.config import (
+    LOCKSTEP_TRANSPORT,
+    ODC_ENGINE_BACKENDS,
+    ODCConfig,
+    moe_auxiliary_losses_on,
+)
 from megatron_odc.mcore.optimizer import check_optimizer_config
 from megatron_odc.mcore.step import forward_backward
 from megatron_odc.transport.devices import every_rank_int
@@ -125,12 +130,11 @@ def _count_scaled_auxiliary_losses(config: Any) -> list[str]:
     """The auxiliary losses of ``config`` that megatron-core's schedule scales by the local
     microbatch count unless ``calculate_per_token_loss`` (MoE load-balancing / z-loss, MTP)."""
     found = []
-    coefficients = [
+    if moe_auxiliary_losses_on(
+        getattr(config, "num_moe_experts", None),
         getattr(config, "moe_aux_loss_coeff", 0.0),
         getattr(config, "moe_z_loss_coeff", None),
-    ]
-    flat = [c for v in coefficients for c in (v if isinstance(v, list | tuple) else [v])]
-    if getattr(config, "num_moe_experts", None) and any(c for c in flat if c is not None):
+    ):
         found.append("MoE auxiliary losses (moe_aux_loss_coeff / moe_z_loss_coeff)")
     if getattr(config, "mtp_num_layers", None):
         found.append("multi-token prediction (mtp_num_layers)")
