@@ -11,6 +11,7 @@ only reads ``common.pt``), and that is refused in one line naming both.
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 from pathlib import Path
@@ -36,6 +37,7 @@ def _other_python() -> str:
     return python
 
 
+@functools.cache  # each call imports megatron-core in a fresh interpreter (seconds)
 def _release(python: str) -> str:
     return subprocess.run(
         [python, "-c", "from megatron.core import package_info as p; print(p.__version__)"],
