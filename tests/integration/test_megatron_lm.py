@@ -987,6 +987,35 @@ def test_launcher_resolves_the_script(tmp_path, monkeypatch) -> None:
         resolve_script("missing.py", str(tmp_path))
 
 
+def test_launcher_destroys_the_process_groups_after_a_normal_end(tmp_path, monkeypatch) -> None:
+    """Megatron-LM's ``pretrain`` leaves its groups to the interpreter's exit, where a gloo group's
+    unjoined threads can abort a finished rank: the launcher destroys them once the script ended
+    normally, and leaves them after a failure (a collective may still wait on a peer there)."""
+    from megatron_odc.integration import launch
+
+    def script(name: str, error: Exception | None):
+        def run(argv) -> None:
+            store = f"file://{tmp_path / name}"
+            torch.distributed.init_process_group("gloo", init_method=store, rank=0, world_size=1)
+            if error is not None:
+                raise error
+
+        return run
+
+    monkeypatch.setattr(launch, "_main", script("finished", None))
+    launch.main([])
+    assert not torch.distributed.is_initialized()
+
+    monkeypatch.setattr(launch, "_main", script("failed", RuntimeError("a bug")))
+    try:
+        with pytest.raises(RuntimeError, match="a bug"):
+            launch.main([])
+        assert torch.distributed.is_initialized()
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
 def test_launch_env_reads_the_transport_of_megatron_lm_argv(monkeypatch) -> None:
     """``--odc-transport mpi`` in Megatron-LM's argv under torchrun is refused naming the flag (in
     either spelling, among Megatron-LM's own flags); other transports leave the environment alone."""
