@@ -23,8 +23,8 @@ CPU patches when CUDA is absent, and then the CPU flags of ``megatron_lm.flags.C
 not set are added to ``args``, with one log line naming them), and the script runs as ``__main__``
 through ``runpy`` with ``sys.argv = [SCRIPT, *args]``. When the script ends normally (returns, or
 exits with status 0 as Megatron-LM does at ``--exit-interval``) the ODC chunks' transports are released
-(``builders.close_odc_chunks``) and, after the rank's last health record, its process groups are
-destroyed (:func:`destroy_process_groups`); the patches are reverted whenever it ends.
+(``builders.close_odc_chunks``) and, with the rank's last health record, its process groups are
+destroyed (``megatron_lm.health.end_job``); the patches are reverted whenever it ends.
 
 A refusal of megatron_odc's own (an unsupported Megatron-LM or megatron-core, a flag ``--dp-backend``
 does not combine with, a model built without ODC: a ``ValueError`` raised in ``megatron_odc``) ends the
@@ -131,25 +131,6 @@ def main(argv: list[str] | None = None) -> None:
             from megatron_odc.integration.megatron_lm.health import end_job
 
             end_job(finished=finished)
-        if finished:
-            destroy_process_groups()
-
-
-def destroy_process_groups() -> None:
-    """Destroy the process groups the script left (Megatron-LM's ``pretrain`` never destroys them).
-
-    Left to the interpreter's exit, a gloo group's worker threads can be torn down unjoined, and a
-    rank that had finished aborts (SIGABRT, ``terminate called without an active exception``): seen
-    now and then in CPU runs of Megatron-LM's own ``--dp-backend ddp``; PyTorch's own tests destroy
-    their groups for the same reason. Only after a normal end, where every collective has completed,
-    so nothing here can wait on a peer.
-    """
-    if "torch" not in sys.modules:
-        return
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _failure_report(exc: BaseException) -> tuple[int, str | None] | None:

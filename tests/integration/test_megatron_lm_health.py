@@ -13,11 +13,14 @@ import argparse
 import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from tests._dist import RankFailureError, run_ranks
+from tests._megatron_lm import _env
 
 
 def _dead_peer_rank(rank: int, world_size: int, workdir: str) -> None:
@@ -51,6 +54,47 @@ def test_a_dead_peer_is_named_in_one_line(tmp_path) -> None:
     assert status == 3, (status, line)
     assert line.startswith("rank 0 failed in iteration at iteration 3 because rank 1 (pid "), line
     assert "died (last seen in iteration, iteration 3)" in line, line
+
+
+PATCHED_SOURCE_END = """
+import argparse, atexit, datetime, json, sys
+import torch.distributed as dist
+from megatron_odc.integration.megatron_lm import health
+
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+store = dist.PrefixStore("megatron_odc/health/", dist.distributed_c10d._get_default_store())
+store.set_timeout(datetime.timedelta(seconds=10))
+
+def report():  # registered before the job's own handler, so it runs after it
+    phase = json.loads(store.get("rank0"))["phase"]
+    print(f"last phase {phase}, groups left {dist.is_initialized()}", flush=True)
+
+atexit.register(report)
+health.start_job(argparse.Namespace(save=None, distributed_timeout_minutes=1))
+if sys.argv[2] == "fail":
+    raise RuntimeError("a bug")
+"""
+
+
+@pytest.mark.parametrize(
+    ("end", "printed"),
+    [
+        ("return", "last phase finished, groups left False"),
+        ("fail", "last phase start-up, groups left True"),
+    ],
+)
+def test_a_patched_source_ends_its_job_at_exit(tmp_path, end, printed) -> None:
+    """Without a launcher the job ends at the interpreter's exit: a script that returned is recorded
+    finished and its process groups destroyed ([Note: process groups at exit]); one that raised is
+    not, and its groups stay (a collective may still wait on a peer)."""
+    script = tmp_path / "patched_source.py"
+    script.write_text(PATCHED_SOURCE_END)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "store"), end],
+        env=_env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert printed in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    assert (proc.returncode == 0) == (end == "return"), proc.stderr[-3000:]
 
 
 def _refusing_rank(rank: int, world_size: int, workdir: str) -> tuple[int, str | None]:

@@ -16,7 +16,9 @@ so the launcher and a patched source reach them through four names of ``megatron
   also keeps ``--override-opt_param-scheduler``'s schedule).
 
 When the script ends, the launcher calls :func:`end_job` (the last record says whether the rank
-finished; the lock is released), and for a failure :func:`failure_report` decides what the rank prints:
+finished; the lock is released; a finished rank's process groups are destroyed, [Note: process groups
+at exit]); a patched source, without a launcher, ends its job at the interpreter's exit
+(:func:`_end_at_exit`). For a failure :func:`failure_report` decides what the rank prints:
 a refusal of megatron_odc's own once per job (``runner/errors.py``), a failure caused by a peer that died
 or stopped as one line naming it, anything else (a bug) with its traceback.
 
@@ -30,6 +32,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -81,19 +84,40 @@ def start_job(args: Any) -> None:
         monitor.stop(finished=False)
         raise
     _job = _Job(monitor, held)
-    atexit.register(end_job, finished=False)  # a patched source has no launcher to call it first
+    atexit.register(_end_at_exit)  # a patched source has no launcher to call end_job first
+
+
+# [Note: process groups at exit]
+# Megatron-LM's ``pretrain`` never destroys its process groups. Left to the interpreter's exit, a
+# gloo group's worker threads can be torn down unjoined, and a rank that had finished aborts
+# (SIGABRT, ``terminate called without an active exception``; seen now and then in CI's CPU runs of
+# Megatron-LM's own ``--dp-backend ddp`` through the launcher; PyTorch's own tests destroy their
+# groups for the same reason). So a finished rank destroys them with its last record. Only a finished
+# one: there every collective has completed, while after a failure one may still wait on a peer.
 
 
 def end_job(*, finished: bool) -> None:
-    """Write this rank's last record (``finished`` or not) and release ``--save``; idempotent."""
+    """Write this rank's last record (``finished`` or not) and release ``--save``; idempotent. A
+    finished rank's process groups are destroyed as well ([Note: process groups at exit])."""
     global _job
     job, _job = _job, None
-    if job is None:
-        return
     try:
-        job.held.close()
+        if job is not None:
+            try:
+                job.held.close()
+            finally:
+                job.monitor.stop(finished=finished)
     finally:
-        job.monitor.stop(finished=finished)
+        if finished and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _end_at_exit() -> None:
+    """A patched source's end of the job (a launcher has ended it before): finished unless an
+    uncaught exception ends the interpreter (Python sets ``sys.last_value`` before the exit
+    handlers run)."""
+    if _job is not None:
+        end_job(finished=not hasattr(sys, "last_value"))
 
 
 @contextlib.contextmanager
