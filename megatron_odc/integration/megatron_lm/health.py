@@ -22,7 +22,8 @@ at exit]); a patched source, without a launcher, ends its job at the interpreter
 a refusal of megatron_odc's own once per job (``runner/errors.py``), a failure caused by a peer that died
 or stopped as one line naming it, anything else (a bug) with its traceback.
 
-Everything here is per process and a no-op before :func:`start_job`.
+Everything here is per process and a no-op before :func:`start_job`, except that a finished
+:func:`end_job` destroys whatever process groups it finds.
 """
 
 from __future__ import annotations
