@@ -52,7 +52,6 @@ import math
 import os
 import re
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -112,12 +111,6 @@ _ODC_RE = re.compile(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def model_args(args: argparse.Namespace, data: Path) -> list[str]:
     return [
         *shlex.split(
@@ -137,8 +130,9 @@ def model_args(args: argparse.Namespace, data: Path) -> list[str]:
 
 
 def run_row(name: str, args: argparse.Namespace, data: Path, out: Path, rnd: int) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    cmd += ["--master-port", str(_free_port()), "-m", "megatron_odc.launch", "pretrain_gpt.py"]
+    # --standalone: torchrun binds a free port itself (one picked beforehand may be taken meanwhile)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += ["-m", "megatron_odc.launch", "pretrain_gpt.py"]
     cmd += [*model_args(args, data), *ROWS[name]]
     env = {
         **os.environ,

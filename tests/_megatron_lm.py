@@ -14,7 +14,6 @@ import functools
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -127,12 +126,6 @@ def _env() -> dict[str, str]:
     }
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def pretrain_gpt_losses(
     backend: str | None,
     cwd: Path,
@@ -163,8 +156,8 @@ def pretrain_gpt_losses(
         cmd = mpiexec_command(nproc, main)
         ranks_env = mpi_env({"CUDA_DEVICE_MAX_CONNECTIONS": "1", **(env or {})})
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
-        cmd += ["--master-port", str(_free_port()), *main]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        cmd += ["--nproc-per-node", str(nproc), *main]
         ranks_env = {**_env(), **(env or {})}
     proc = subprocess.run(cmd, cwd=cwd, env=ranks_env, capture_output=True, text=True, timeout=300)
     log = proc.stdout + proc.stderr

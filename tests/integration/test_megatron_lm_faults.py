@@ -51,8 +51,8 @@ class _Job:
             PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")])),
         )
         env[MEGATRON_LM_PATH_ENV] = str(megatron_lm_path)
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-        command += ["--master-port", str(_free_port()), "-m", "megatron_odc.launch"]
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        command += ["--nproc-per-node", "2", "-m", "megatron_odc.launch"]
         self.proc = subprocess.Popen(
             [*command, "pretrain_gpt.py", *args],
             cwd=tmp_path,
@@ -103,14 +103,6 @@ class _Job:
         """Tracebacks printed by the ranks (torchrun prints its own ``ChildFailedError`` one)."""
         tracebacks = sum("Traceback (most recent call last)" in line for line in self.lines)
         return tracebacks - sum("ChildFailedError:" in line for line in self.lines)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -30,15 +29,12 @@ optimizers refuse a resume with a new ``--lr`` (ODC's optimizer keeps its groups
 
 
 def _learning_rates(megatron_lm_path: Path, cwd: Path, *flags: str) -> dict[int, float]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     env[MEGATRON_LM_PATH_ENV] = str(megatron_lm_path)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    command += ["--master-port", str(port), "-m", "megatron_odc.launch", "pretrain_gpt.py"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", "2", "-m", "megatron_odc.launch", "pretrain_gpt.py"]
     proc = subprocess.run(
         [*command, *E2E_ARGS, *flags], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
     )

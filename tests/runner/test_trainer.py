@@ -23,7 +23,6 @@ import math
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import uuid
@@ -155,12 +154,6 @@ def test_cli_exits_before_training_on_a_bad_flag(tmp_path, shm_dir):
 # The main command #
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 ITERATION_LINE = re.compile(
     r"iteration\s+(\d+)/\s*(\d+) \| consumed samples:\s+(\d+) \| .*learning rate: (\S+) \| "
     r".*lm loss: (\S+) \| grad norm: (\S+) \| tokens/s: \d+ \| num microbatches min/max: (\d+)/(\d+)"
@@ -171,15 +164,15 @@ SUMMARY_LINE = re.compile(r"training finished .*first lm loss: (\S+) \| final lm
 
 
 def _torchrun_command(module: str, argv: list[str], nproc: int = 2) -> list[str]:
-    """``python -m torch.distributed.run`` of ``module`` on ``nproc`` CPU ranks, on a free port."""
+    """``python -m torch.distributed.run`` of ``module`` on ``nproc`` CPU ranks (``--standalone``:
+    torchrun binds a free port itself, where a port picked beforehand may be taken meanwhile)."""
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
+        "--standalone",
         "--nproc-per-node",
         str(nproc),
-        "--master-port",
-        str(_free_port()),
         "-m",
         module,
         *argv,
