@@ -126,6 +126,19 @@ def _env() -> dict[str, str]:
     }
 
 
+def torchrun_command(nproc: int) -> list[str]:
+    """``python -m torch.distributed.run`` on ``nproc`` local ranks; ``--standalone``: torchrun binds
+    a free port itself, where a port picked beforehand may be taken meanwhile."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+    ]
+
+
 def pretrain_gpt_losses(
     backend: str | None,
     cwd: Path,
@@ -156,8 +169,7 @@ def pretrain_gpt_losses(
         cmd = mpiexec_command(nproc, main)
         ranks_env = mpi_env({"CUDA_DEVICE_MAX_CONNECTIONS": "1", **(env or {})})
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        cmd += ["--nproc-per-node", str(nproc), *main]
+        cmd = [*torchrun_command(nproc), *main]
         ranks_env = {**_env(), **(env or {})}
     proc = subprocess.run(cmd, cwd=cwd, env=ranks_env, capture_output=True, text=True, timeout=300)
     log = proc.stdout + proc.stderr

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests._megatron_lm import E2E_ARGS, MEGATRON_LM_PATH_ENV, REPO_ROOT
+from tests._megatron_lm import E2E_ARGS, MEGATRON_LM_PATH_ENV, REPO_ROOT, torchrun_command
 
 TIMEOUT_S = 60.0
 """``--distributed-timeout-minutes 1``: every collective's and the ODC fence's limit."""
@@ -51,8 +50,7 @@ class _Job:
             PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")])),
         )
         env[MEGATRON_LM_PATH_ENV] = str(megatron_lm_path)
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-        command += ["--nproc-per-node", "2", "-m", "megatron_odc.launch"]
+        command = [*torchrun_command(2), "-m", "megatron_odc.launch"]
         self.proc = subprocess.Popen(
             [*command, "pretrain_gpt.py", *args],
             cwd=tmp_path,

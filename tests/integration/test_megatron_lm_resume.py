@@ -13,12 +13,11 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests._megatron_lm import E2E_ARGS, MEGATRON_LM_PATH_ENV, REPO_ROOT
+from tests._megatron_lm import E2E_ARGS, MEGATRON_LM_PATH_ENV, REPO_ROOT, torchrun_command
 
 _LR_RE = re.compile(r"iteration\s+(\d+)/.*?learning rate: ([0-9.E+-]+)")
 
@@ -33,8 +32,7 @@ def _learning_rates(megatron_lm_path: Path, cwd: Path, *flags: str) -> dict[int,
     env.update(OMP_NUM_THREADS="1", CUDA_DEVICE_MAX_CONNECTIONS="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     env[MEGATRON_LM_PATH_ENV] = str(megatron_lm_path)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    command += ["--nproc-per-node", "2", "-m", "megatron_odc.launch", "pretrain_gpt.py"]
+    command = [*torchrun_command(2), "-m", "megatron_odc.launch", "pretrain_gpt.py"]
     proc = subprocess.run(
         [*command, *E2E_ARGS, *flags], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
     )
