@@ -35,8 +35,8 @@ Takes: about 45 s on 2 CPU cores (--tiny: about 10 s)
 all-reduce runs once per step, so uneven counts run), which separates the balancing's gain on this
 machine from ODC's per-microbatch parameter copies.
 
-Run: ``python examples/grpo_cpu.py [--tiny] [--dp 2] [--steps 12] [--odc-unsharded-budget {all,none}]
-[--with-ddp-lb-mini]``.
+Run: ``python examples/grpo_cpu.py [--tiny] [--dp 2] [--steps 12] [--length-scale 32]
+[--odc-unsharded-budget {all,none}] [--with-ddp-lb-mini]``.
 """
 
 from __future__ import annotations
@@ -472,6 +472,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dp", type=int, default=2, help="CPU ranks (DP size)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps")
     parser.add_argument(
+        "--length-scale",
+        type=int,
+        default=None,
+        help=f"divide the {PROFILE} profile's lengths by this (default {FULL.length_scale}, "
+        f"--tiny {TINY.length_scale}; 16: rollouts up to about 4,000 tokens)",
+    )
+    parser.add_argument(
         "--with-ddp-lb-mini",
         action="store_true",
         help="also run megatron-core DDP on LB-Mini's plan (a diagnostic row: the balancing's gain "
@@ -496,6 +503,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.steps < 1:
             parser.error(f"--steps must be >= 1, got {args.steps}")
         settings = dataclasses.replace(settings, steps=args.steps)
+    if args.length_scale is not None:
+        if args.length_scale < 1:
+            parser.error(f"--length-scale must be >= 1, got {args.length_scale}")
+        settings = dataclasses.replace(settings, length_scale=args.length_scale)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="grpo-cpu-") as tmp:
         mp.start_processes(

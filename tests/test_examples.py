@@ -311,16 +311,19 @@ GRPO_STEP = re.compile(
 )
 
 
-@pytest.mark.parametrize("budget", ["all", "none"])
-def test_grpo_cpu_example_runs_tiny_and_the_three_backends_make_the_same_updates(tmp_path, budget):
+@pytest.mark.parametrize(("budget", "length_scale"), [("all", None), ("none", 128)])
+def test_grpo_cpu_example_runs_tiny_and_the_three_backends_make_the_same_updates(
+    tmp_path, budget, length_scale
+):
     """``examples/grpo_cpu.py --tiny`` (a Python example, docs/rl.md), with ODC's units kept for the
     step (FSDP2 not resharding after forward) and fetched per use (FSDP2 resharding): every backend
     prints every step; the same rollouts give the same per-step loss and grad norm under ODC +
     LB-Mini (uneven counts), padded megatron-core DDP, FSDP2 and the diagnostic row (DDP on ODC's
     plan: its counts; 1e-4: the plans sum in different orders); padded DDP's and FSDP2's counts are
     equal across ranks; the plans' cost model was measured first; the last line holds the measured
-    and predicted ratios."""
+    and predicted ratios; ``--length-scale`` sets the rollouts' scale (``--tiny``'s: 256)."""
     script = EXAMPLES / "grpo_cpu.py"
+    scale = [] if length_scale is None else ["--length-scale", str(length_scale)]
     out = _run(
         script,
         tmp_path,
@@ -331,8 +334,10 @@ def test_grpo_cpu_example_runs_tiny_and_the_three_backends_make_the_same_updates
             "--with-ddp-lb-mini",
             "--odc-unsharded-budget",
             budget,
+            *scale,
         ],
     )
+    assert f"profile agent_rl / {length_scale or 256}," in out, out[-3000:]
     rows: dict = {}
     for line in out.splitlines():
         match = GRPO_STEP.match(line)
