@@ -198,6 +198,9 @@ class ODCEngine:
         self._pending: dict[str, set[str]] = {unit: set() for unit in self.layout.units}
         self._ready: dict[str, set[str]] = {unit: set() for unit in self.layout.units}
         self._host_shards: dict[str, torch.Tensor] | None = None  # while offloaded
+        # Counts what changes or frees unsharded parameters (a release, a step, a write of shards):
+        # a paused ``iter_full_parameters`` compares it when resumed.
+        self._changes = 0
         self._host_specs: list = []
         self.transport.fence()  # every shard written and visible: the first minibatch needs no fence
 
@@ -296,6 +299,7 @@ class ODCEngine:
             self.fp8_codec.before_release(fp8)
         self.buckets.move_unit(unit, BucketState.SHARDED, "release")
         self.storage.free_params(unit)
+        self._changes += 1
 
     def release_all(self) -> None:
         """Release every unit, kept ones included (after pushing any partial gradients)."""
@@ -488,6 +492,7 @@ class ODCEngine:
         """
         self.check_open()
         self.minibatch.move("end_step")
+        self._changes += 1
         self.owned.zero_grads()
         with self.telemetry.timed("fence_s"):
             self.transport.flush()
@@ -517,6 +522,7 @@ class ODCEngine:
         Outside the optimizer step, call ``begin_shard_writes`` first. Collective when the model has
         FP8 parameters (see :meth:`OwnedShards.write`).
         """
+        self._changes += 1
         self.owned.write(values)
 
     def param_shard(self, bucket_index: int) -> torch.Tensor:
@@ -543,7 +549,13 @@ class ODCEngine:
         """``(name, copy of its current value)`` unit by unit, in layout order: each released unit is
         fetched before its parameters are yielded and released again before the next unit is
         fetched, so at most one unit is unsharded beyond those already held. One-sided: no rank
-        waits for another."""
+        waits for another.
+
+        Iterate it to the end (or close it) before anything changes the parameters: resumed after a
+        release, a step, a load or an offload, it raises instead of reading freed memory or mixing
+        the values of two steps (and leaves the units as the interruption left them).
+        """
+        changes = self._changes
         for unit in self.layout.units:
             was_sharded = self.unit_state(unit) is BucketState.SHARDED
             self.fetch(unit)
@@ -555,9 +567,17 @@ class ODCEngine:
                         yield name, self.fp8_codec.dequantize_bytes(param, data).view(param.shape)
                     else:
                         yield name, param.detach().clone()
+                    if self._changes != changes:
+                        raise RuntimeError(
+                            f"DP rank {self.dp_rank}: the full-parameter iterator was resumed after "
+                            f"the parameters changed or were released while it was paused at unit "
+                            f"{unit!r} (a training step, a load or an offload); iterate it to the end "
+                            "between steps, or start a new one"
+                        )
             finally:
-                if was_sharded:
+                if was_sharded and self._changes == changes:
                     self._release(unit)
+                    changes = self._changes
 
     def persistent_nbytes(self) -> int:
         """Bytes of the owned parameter shards and gradient accumulators."""
@@ -574,6 +594,22 @@ class ODCEngine:
         """Whether the owned shards are off the device (:meth:`offload_shards`)."""
         return self._host_shards is not None
 
+    def check_offload(self) -> None:
+        """Raise one line unless :meth:`offload_shards` may run now (between steps, once).
+
+        Raises:
+            RuntimeError: the engine is closed, its shards are already offloaded, or a minibatch is
+                under way.
+        """
+        if self.offloaded:
+            raise RuntimeError(f"DP rank {self.dp_rank}: the owned shards are already offloaded")
+        self.check_open()
+        if self.phase is not MinibatchPhase.READY:
+            raise RuntimeError(
+                f"DP rank {self.dp_rank}: offload between steps, not in minibatch phase "
+                f"{self.phase.value}"
+            )
+
     def offload_shards(self, host: torch.device) -> None:
         """Collective, between steps: copy every owned shard (parameters and gradient accumulators)
         to ``host`` and close the transport, which frees its memory (every unit is released first).
@@ -581,16 +617,9 @@ class ODCEngine:
         Until :meth:`onload_shards` nothing may fetch, push or read a shard.
 
         Raises:
-            RuntimeError: called inside a minibatch, or twice.
+            RuntimeError: see :meth:`check_offload`.
         """
-        self.check_open()
-        if self.offloaded:
-            raise RuntimeError(f"DP rank {self.dp_rank}: the owned shards are already offloaded")
-        if self.phase is not MinibatchPhase.READY:
-            raise RuntimeError(
-                f"DP rank {self.dp_rank}: offload between steps, not in minibatch phase "
-                f"{self.phase.value}"
-            )
+        self.check_offload()
         self.release_all()
         self._complete_own_operations()
         self.transport.fence()  # no peer still reads this rank's shards

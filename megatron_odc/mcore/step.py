@@ -23,12 +23,13 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
 from megatron_odc.mcore.pipeline import agree_pipeline_count
-from megatron_odc.transport.devices import collective_device
+from megatron_odc.transport.devices import collective_device, every_rank_int
 
 
 def finalize_without_microbatches(model_chunks: Sequence[torch.nn.Module]) -> None:
@@ -49,26 +50,53 @@ def finalize_without_microbatches(model_chunks: Sequence[torch.nn.Module]) -> No
     finalize(list(model_chunks), num_tokens)
 
 
+def agree_tensor_parallel_count(count: int) -> None:
+    """Check that every TP rank of this rank's group passed the same ``count`` (collective over the TP
+    group with more than one rank; nothing with one).
+
+    Raises:
+        ValueError: naming the DP replica, the pipeline stage and each TP rank's count.
+    """
+    group_size = parallel_state.get_tensor_model_parallel_world_size()
+    if group_size <= 1:
+        return
+    counts = every_rank_int(count, parallel_state.get_tensor_model_parallel_group())
+    if len(set(counts)) > 1:
+        listed = ", ".join(f"TP rank {r}: {c}" for r, c in enumerate(counts))
+        raise ValueError(
+            f"DP replica {parallel_state.get_data_parallel_rank()}, pipeline stage "
+            f"{parallel_state.get_pipeline_model_parallel_rank()}: its tensor-parallel ranks were "
+            f"given different numbers of microbatches ({listed}); the TP ranks of one replica split "
+            "the same microbatches, so pass every one of them the replica's count"
+        )
+
+
 def forward_backward(
     *, forward_step_func: Callable, data_iterator: Any, model: Any, num_microbatches: int, **kwargs
 ) -> list:
     """megatron-core's forward-backward schedule on this rank's own ``num_microbatches``, 0 included.
 
-    Takes the keyword arguments of the function ``get_forward_backward_func()`` returns. With pipeline
-    stages every stage of this rank's pipeline must pass the same count (checked first, one small
-    all-reduce over the pipeline: :func:`~megatron_odc.mcore.pipeline.agree_pipeline_count`). A
-    training call with 0 skips the schedule (which cannot run zero) and runs
-    :func:`finalize_without_microbatches`; it returns no loss reports. Forward-only calls (log-probs, a
-    reference model) are passed through unchanged; with 0 they return no outputs (no gradients to
-    finalize, so no collective: every stage of a pipeline must pass 0 together).
+    Takes the keyword arguments of the function ``get_forward_backward_func()`` returns. Every rank
+    of one DP replica (its TP ranks and pipeline stages) must pass the same count, checked first for
+    training and forward-only calls alike (a small all-reduce over each of those groups with more than
+    one rank: :func:`agree_tensor_parallel_count`,
+    :func:`~megatron_odc.mcore.pipeline.agree_pipeline_count`): a difference would leave a stage
+    waiting for activations, or a TP collective mismatched, without a limit. A training call with 0
+    skips the schedule (which cannot run zero) and runs :func:`finalize_without_microbatches`; it
+    returns no loss reports. Forward-only calls (log-probs, a reference model) are passed through
+    unchanged; with 0 they return no outputs.
     """
-    if isinstance(num_microbatches, bool) or int(num_microbatches) != num_microbatches:
+    try:
+        count = int(num_microbatches)
+    except (TypeError, ValueError):  # None, "two"
+        count = None
+    if isinstance(num_microbatches, bool) or count is None or count != num_microbatches:
         raise ValueError(f"num_microbatches must be an integer >= 0, got {num_microbatches!r}")
-    if num_microbatches < 0:
+    if count < 0:
         raise ValueError(f"num_microbatches must be >= 0, got {num_microbatches}")
-    count = int(num_microbatches)
+    agree_tensor_parallel_count(count)
+    agree_pipeline_count(count)
     if not kwargs.get("forward_only", False):
-        agree_pipeline_count(count)
         if count == 0:
             finalize_without_microbatches(model if isinstance(model, list) else [model])
             return []

@@ -92,3 +92,21 @@ def test_global_tokens_scale_is_local_count_times_dp_over_global_tokens() -> Non
 
     assert global_tokens_scale(3, 120, 4) == 3 * 4 / 120
     assert global_tokens_scale(0, 0, 2) == 0.0
+
+
+@pytest.mark.parametrize("value", [None, "2", 1.5, True, -1])
+def test_a_num_microbatches_that_is_not_a_count_is_refused_in_one_line(value) -> None:
+    """The schedule call's ``num_microbatches`` (``None``, a string, a fraction, a bool, a negative
+    number) is refused before anything runs: no raw ``TypeError`` from ``int(None)``."""
+    from megatron_odc.mcore.rl.loop import get_forward_backward_func
+
+    with pytest.raises(ValueError, match="num_microbatches must be") as error:
+        get_forward_backward_func()(
+            forward_step_func=None,
+            data_iterator=None,
+            model=[_model(True)],
+            num_microbatches=value,
+            seq_length=8,
+            micro_batch_size=1,
+        )
+    assert "\n" not in str(error.value)

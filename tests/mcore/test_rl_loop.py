@@ -13,9 +13,11 @@ One 4-rank world (CPU, gloo, shm transport), three layouts:
   training the iterator equals the parameters assembled from the owners' shards, and
   holds at most one unit unsharded at a time. With Hugging Face names (a tiny Llama loaded through
   mbridge, vocabulary padded 61 -> 62) the tensors equal the HF checkpoint's bit for bit. A 3-tuple
-  (per-microbatch mean) loss is refused;
-- PP=2 x DP=2: stages of one pipeline given different counts are refused in one line; so are DP
-  ranks given different counts on the lockstep ``fsdp`` backend (its collectives would hang).
+  (per-microbatch mean) loss is refused, and so are TP ranks of one replica given different
+  counts;
+- PP=2 x DP=2: stages of one pipeline given different counts are refused in one line (training and
+  forward-only calls, as for TP); so are DP ranks given different counts on the lockstep ``fsdp``
+  backend (its collectives would hang).
 
 Without ``rl/`` this fails (no module); without the DP average of ``ODCDataParallel.finish_grad_sync``
 under ``calculate_per_token_loss=False`` the gradients are twice DDP's; without the zero-count path
@@ -257,25 +259,29 @@ def _check_three_tuple_refused(model, cfg) -> str:
     return "not refused"
 
 
-def _check_pipeline_counts_refused() -> str:
-    from megatron.core import parallel_state
-
+def _check_replica_counts_refused(rank_in_group: int) -> dict[str, str]:
+    """Different counts on the ranks of one DP replica (``rank_in_group``: this rank's TP rank or
+    pipeline stage), for a training and a forward-only call (log-probs: a stage waited for
+    activations without a limit, a TP rank aborted in a mismatched collective)."""
     from megatron_odc.mcore.rl.loop import get_forward_backward_func
 
-    stage = parallel_state.get_pipeline_model_parallel_rank()
     chunk = types.SimpleNamespace(config=types.SimpleNamespace(calculate_per_token_loss=True))
-    try:
-        get_forward_backward_func()(
-            forward_step_func=None,
-            data_iterator=None,
-            model=[chunk],
-            num_microbatches=1 + stage,
-            seq_length=8,
-            micro_batch_size=1,
-        )
-    except ValueError as error:
-        return str(error)
-    return "not refused"
+    out = {}
+    for forward_only in (False, True):
+        try:
+            get_forward_backward_func()(
+                forward_step_func=None,
+                data_iterator=None,
+                model=[chunk],
+                num_microbatches=1 + rank_in_group,
+                seq_length=8,
+                micro_batch_size=1,
+                forward_only=forward_only,
+            )
+            out[forward_only] = "not refused"
+        except ValueError as error:
+            out[forward_only] = str(error)
+    return out
 
 
 def _check_fsdp_uneven_counts_refused() -> str:
@@ -305,6 +311,8 @@ def _check_fsdp_uneven_counts_refused() -> str:
 
 
 def _run(rank: int, world_size: int, hf_dir: str | None) -> dict:
+    from megatron.core import parallel_state
+
     from megatron_odc.mcore.model import GPTConfig, build_gpt_model
     from tests._megatron import init_megatron, teardown_megatron
 
@@ -334,6 +342,7 @@ def _run(rank: int, world_size: int, hf_dir: str | None) -> dict:
         out["sync_ddp"] = _check_weight_sync_ddp(ddp["model"])
         out["three_tuple"] = _check_three_tuple_refused(odc["model"], cfg)
         out["fsdp_uneven"] = _check_fsdp_uneven_counts_refused()
+        out["tp"] = _check_replica_counts_refused(parallel_state.get_tensor_model_parallel_rank())
         odc["model"].close()
         cfg = GPTConfig(**SMALL_GPT)  # Megatron's per-token loss through the same loop
         ddp = _external_loop("ddp", cfg, len(COUNTS), "per_token")
@@ -352,7 +361,9 @@ def _run(rank: int, world_size: int, hf_dir: str | None) -> dict:
         teardown_megatron()
     init_megatron(1, seed=5, pp=2)
     try:
-        out["pipeline"] = _check_pipeline_counts_refused()
+        out["pipeline"] = _check_replica_counts_refused(
+            parallel_state.get_pipeline_model_parallel_rank()
+        )
     finally:
         teardown_megatron()
     return out
@@ -425,11 +436,18 @@ def test_weight_sync_holds_at_most_one_unit_unsharded(world) -> None:
     )
 
 
-def test_a_per_microbatch_mean_loss_uneven_pipeline_stages_and_uneven_fsdp_ranks_are_refused(
+def test_a_per_microbatch_mean_loss_uneven_replica_ranks_and_uneven_fsdp_ranks_are_refused(
     world,
 ) -> None:
     for res in world:
         assert "each microbatch's token mean" in res["three_tuple"], res["three_tuple"]
-        assert "given different numbers of microbatches" in res["pipeline"], res["pipeline"]
+        for forward_only in (False, True):
+            pipeline, tp = res["pipeline"][forward_only], res["tp"][forward_only]
+            assert "the stages of its pipeline were given different numbers of" in pipeline, (
+                pipeline
+            )
+            assert "(stage 0: 1, stage 1: 2)" in pipeline, pipeline
+            assert "its tensor-parallel ranks were given different numbers of" in tp, tp
+            assert "(TP rank 0: 1, TP rank 1: 2)" in tp, tp
         assert res["fsdp_uneven"].startswith("the fsdp backend runs every bucket as a collective")
         assert "DP rank 0: 0, DP rank 1: 2" in res["fsdp_uneven"], res["fsdp_uneven"]

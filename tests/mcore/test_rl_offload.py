@@ -5,7 +5,9 @@ memory) and for the shm transport, both with deterministic accumulation: 2 steps
 optimizer state, unsharded buffers), onload, 2 more steps equal an uninterrupted 4-step run bit for bit
 (per-step loss, grad norm, final parameters), with uneven counts including 0. The device bytes are
 measured from the live tensors before the offload, while offloaded (none left) and after the onload
-(the same as before); a fetch while offloaded is refused in one line.
+(the same as before); a fetch while offloaded is refused in one line, and so are an offload of
+offloaded shards, an offload inside a step and a weight-sync iterator resumed after a step, each
+without disturbing the run (they read or freed the optimizer's memory).
 """
 
 from __future__ import annotations
@@ -59,6 +61,11 @@ def _train(transport: str, offload_after: int | None) -> dict:
                 out["model_only"] = str(error)
             moved = offload([model], optimizer)
             out["bytes"]["offloaded"] = device_nbytes([model], optimizer)
+            try:  # refused before the optimizer's (freed) tensors are read: it crashed (SIGSEGV)
+                offload([model], optimizer)
+                out["offload_twice"] = "not refused"
+            except RuntimeError as error:
+                out["offload_twice"] = str(error)
             try:
                 model.state_dict()
                 out["fetch_while_offloaded"] = "not refused"
@@ -76,7 +83,12 @@ def _train(transport: str, offload_after: int | None) -> dict:
             onload(moved)
             out["bytes"]["onloaded"] = device_nbytes([model], optimizer)
         batches = [make_batch(cfg, 1, seed=100 * step + 10 * rank + i) for i in range(counts[rank])]
-        report = train_step(model, optimizer, gpt_forward_step, batches, seq_length=cfg.seq_length)
+        if offload_after is not None and step == offload_after - 1:
+            report = _step_refusing_offload(model, optimizer, batches, cfg.seq_length, out)
+        else:
+            report = train_step(
+                model, optimizer, gpt_forward_step, batches, seq_length=cfg.seq_length
+            )
         loss = torch.zeros(2)
         for item in report["losses"]:
             loss += item["lm loss"]
@@ -86,6 +98,42 @@ def _train(transport: str, offload_after: int | None) -> dict:
     out["transport"] = type(model.engine.transport).__name__
     model.close()
     return out
+
+
+def _step_refusing_offload(model, optimizer, batches, seq_length: int, out: dict) -> dict:
+    """``train_step`` in its parts, with what must not disturb it in between: a weight-sync iterator
+    paused across the step (resumed after it: refused, where it read freed memory), and an offload
+    after the schedule, before the optimizer step (refused before anything moves; it freed the
+    optimizer's tensors first). The run stays bitwise the plain one."""
+    from megatron_odc.mcore.rl.offload import offload
+    from megatron_odc.mcore.rl.weight_sync import iter_full_weights
+    from megatron_odc.mcore.step import forward_backward, gpt_forward_step
+
+    paused = iter_full_weights(model)
+    next(paused)
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses = forward_backward(
+        forward_step_func=gpt_forward_step,
+        data_iterator=iter(batches),
+        model=[model],
+        num_microbatches=len(batches),
+        seq_length=seq_length,
+        micro_batch_size=1,
+        forward_only=False,
+    )
+    try:
+        offload([model], optimizer)
+        out["offload_mid_step"] = "not refused"
+    except RuntimeError as error:
+        out["offload_mid_step"] = str(error)
+    _, grad_norm, _ = optimizer.step()
+    try:
+        next(paused)
+        out["resumed_iterator"] = "not refused"
+    except RuntimeError as error:
+        out["resumed_iterator"] = str(error)
+    return {"losses": losses, "grad_norm": grad_norm}
 
 
 def _run(rank: int, world_size: int) -> dict:
@@ -138,6 +186,9 @@ def test_offload_frees_every_device_byte_and_onload_restores_them(world, transpo
         for name, message in run["optimizer_while_offloaded"].items():
             assert "offloaded; onload them first" in message, (rank, name, message)
         assert "chunk 0 trains" in run["model_only"], run["model_only"]
+        assert run["offload_twice"].endswith("the owned shards are already offloaded"), run
+        assert "offload between steps, not in minibatch phase" in run["offload_mid_step"], run
+        assert "iterator was resumed after the parameters changed" in run["resumed_iterator"]
         assert "offload(model_chunks, optimizer)" in run["model_only"]
     before = world[0][transport][1]["bytes"]["before"]
     logging.getLogger(__name__).info(

@@ -94,6 +94,8 @@ def offload(model_chunks: Sequence, optimizer=None, host: torch.device | str = "
             "rebound at onload, so pass offload(model_chunks, optimizer) (optimizer=None is for a "
             "frozen reference model)"
         )
+    for chunk in chunks:  # refused before anything moves: the optimizer's tensors are freed below
+        chunk.engine.check_offload()
     host = torch.device(host)
     moved: list[tuple[torch.Tensor, torch.Tensor]] = []
     seen: set[int] = set()
