@@ -6,7 +6,8 @@ logits equal the unwrapped model's bit for bit, it registers no gradient accumul
 gradient hook, pushes nothing, holds nothing unsharded after a forward, and its bytes on the device are
 the parameter shards only (measured against the policy's shards + optimizer); offloaded it holds none,
 and onloaded it computes the same logits. A frozen wrapper of a
-parameter that still requires grad is refused in one line.
+parameter that still requires grad is refused in one line, and so is a training schedule call
+(``forward_only=False``) on the reference.
 """
 
 from __future__ import annotations
@@ -118,6 +119,19 @@ def _run(rank: int, world_size: int) -> dict:
             out["refusal"] = "not refused"
         except ValueError as error:
             out["refusal"] = str(error)
+        try:  # a training schedule call on the reference: it ran a backward nothing kept
+            get_forward_backward_func()(
+                forward_step_func=logits_step,
+                data_iterator=iter([make_batch(cfg, 1, seed=90)]),
+                model=[reference],
+                num_microbatches=1,
+                seq_length=cfg.seq_length,
+                micro_batch_size=1,
+                forward_only=False,
+            )
+            out["training_call"] = "not refused"
+        except ValueError as error:
+            out["training_call"] = str(error)
         reference.close()
         policy.close()
         return out
@@ -149,6 +163,8 @@ def test_reference_has_no_gradients_pushes_or_optimizer_and_holds_its_shards_onl
         assert res["reference_bytes"] <= 1.2 * res["model_bytes"] / 2, (rank, res)
         assert res["reference_bytes"] < res["policy_bytes"] / 3, (rank, res)
         assert "set requires_grad=False on every parameter" in res["refusal"], res["refusal"]
+        assert "is a frozen ODC model" in res["training_call"], res["training_call"]
+        assert "forward_only=True" in res["training_call"], res["training_call"]
         assert res["offloaded_bytes"] == 0, rank
         assert res["equal_after_onload"], rank
     res = world[0]

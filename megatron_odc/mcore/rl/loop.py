@@ -249,6 +249,22 @@ def check_lockstep_counts(model: Any, num_microbatches: Any) -> None:
         )
 
 
+def refuse_training_a_frozen_model(chunks: list) -> None:
+    """A training schedule call on a frozen ODC model (``reference.build_reference``: no gradient
+    accumulators, no optimizer) would compute a backward that nothing keeps.
+
+    Raises:
+        ValueError: naming the chunk and the call to make instead.
+    """
+    for index, chunk in enumerate(chunks):
+        engine = getattr(chunk, "engine", None)
+        if engine is not None and not engine.gradients:
+            raise ValueError(
+                f"model chunk {index} is a frozen ODC model (built by build_reference: no gradients, "
+                "no optimizer); it runs forward only, so call the schedule with forward_only=True"
+            )
+
+
 def get_forward_backward_func(*args: Any, **kwargs: Any) -> Callable:
     """Drop-in for megatron-core's ``get_forward_backward_func`` (the arguments are ignored: the
     schedule follows megatron-core's parallel state, as its own does when called without them).
@@ -263,6 +279,8 @@ def get_forward_backward_func(*args: Any, **kwargs: Any) -> Callable:
     def schedule(*, forward_step_func: Callable, model: Any, **call: Any) -> list:
         chunks = model if isinstance(model, list) else [model]
         check_lockstep_counts(chunks[0], call.get("num_microbatches"))
+        if not call.get("forward_only", False):
+            refuse_training_a_frozen_model(chunks)
         if not call.get("forward_only", False):  # a forward-only loss trains nothing: any tuple
             name, _ = contract_of(get_model_config(chunks[0]))
             forward_step_func = checked_forward_step(forward_step_func, name)
