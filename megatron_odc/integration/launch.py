@@ -157,7 +157,10 @@ def _main(argv: list[str] | None) -> None:
     from megatron_odc.integration.megatron_lm import apply_megatron_lm_patches
     from megatron_odc.integration.megatron_lm.builders import close_odc_chunks
     from megatron_odc.integration.megatron_lm.flags import with_cpu_flags
+    from megatron_odc.runner.launch_env import launch_rank
+    from megatron_odc.runner.log import job_info_on_rank_zero
 
+    job_info_on_rank_zero(launch_rank(os.environ))
     cpu = not torch.cuda.is_available()
     handle = apply_megatron_lm_patches(cpu=cpu)
     logger.info(

@@ -58,6 +58,16 @@ def launch_local_rank(environ: Mapping[str, str]) -> int | None:
     return None
 
 
+def launch_rank(environ: Mapping[str, str]) -> int:
+    """This process's global rank from the launcher's variables (torchrun's ``RANK``, an MPI
+    launcher's); 0 where no launcher says."""
+    for var in ("RANK", *MPI_RANK_VARS):
+        value = environ.get(var, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
 def launched(environ: Mapping[str, str]) -> bool:
     """Whether a launcher (torchrun, an MPI launcher or a script setting ``RANK``) started this process."""
     return "RANK" in environ or TORCHRUN_VAR in environ or launched_by_mpi(environ)

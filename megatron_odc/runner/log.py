@@ -74,6 +74,14 @@ def setup_logging(rank: int) -> None:
     logging.getLogger("megatron_odc.mcore.data_parallel").setLevel(logging.WARNING)
 
 
+def job_info_on_rank_zero(rank: int) -> None:
+    """Under a host program's logging (Megatron-LM's, which prints every rank's INFO records): the
+    ``megatron_odc`` INFO lines are about the job and alike on every rank, so ranks other than 0
+    drop them; their warnings and errors still print."""
+    if rank != 0:
+        logging.getLogger("megatron_odc").setLevel(logging.WARNING)
+
+
 @dataclasses.dataclass
 class LogInterval:
     """The iterations since the last log line, on this rank."""

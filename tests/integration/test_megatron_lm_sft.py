@@ -154,6 +154,37 @@ def test_lb_mini_gives_uneven_counts_where_lb_micro_gives_equal_ones() -> None:
     assert plan_mini.bubble_odc() < plan_micro.bubble_lockstep()
 
 
+def test_a_resume_with_another_global_batch_size_starts_where_megatron_lms_sampler_does() -> None:
+    """consumed_samples 12 saved at --global-batch-size 4, resumed at 8: the global batches are
+    samples 12-19, 20-27, ... (Megatron-LM's sampler takes them from consumed_samples on); it was
+    refused as no multiple of 8."""
+    lengths = [11, 120, 33, 64, 9, 128, 70, 15] * 4
+    loaders = [
+        BalancedPretrainingLoader(
+            _Records(lengths),
+            12,
+            global_batch_size=8,
+            dp_rank=r,
+            dp_size=2,
+            seq_length=SEQ,
+            cost_model=COST,
+        )
+        for r in range(2)
+    ]
+    assert loaders[0].num_global_batches == 3  # samples 4-11 (before the resume), 12-19, 20-27
+    for index, first in ((loaders[0].start_index, 12), (loaders[0].start_index + 1, 20)):
+        plans = [loader.plan_batch(index) for loader in loaders]
+        got = sorted(i for p in plans for mb in p.microbatches for i in mb)
+        assert got == list(range(first, first + 8)), (index, got)
+    iterator = iter(loaders[1])
+    count = iterator.next_num_microbatches()
+    assert sorted(i for mb in iterator.last.microbatches for i in mb) == sorted(
+        set(range(12, 20)) - {i for mb in loaders[0].plan_batch(1).microbatches for i in mb}
+    )
+    assert count == len(iterator.last.microbatches)
+    iterator.plans.close()
+
+
 def test_pipeline_replicas_and_fixed_shapes() -> None:
     """With PP the plan is over replicas (a zero count allowed) and microbatches are [1, SEQ]."""
     dataset = _Records([10] * 8)
@@ -380,6 +411,49 @@ def test_sft_and_per_token_flags_are_set_with_one_line(caplog) -> None:
     )
 
 
+@pytest.mark.parametrize("tag", ["core_v0.16.1", "core_v0.17.1", "core_v0.19.0"])
+def test_sft_settings_a_tag_cannot_run_are_refused_and_mbs_over_1_says_the_sampler_is_used(
+    monkeypatch, caplog, tag
+) -> None:
+    """``--sft --micro-batch-size 2`` stopped on core_v0.16.1 / core_v0.17.1's bare assertion under
+    every backend (and the refusal of ``--balance lb_mini`` there advised ``--balance none``, which
+    hit it), ``--sft`` with TP 2 on core_v0.16.1 on an allocation of petabytes; where it runs,
+    ``--micro-batch-size 2`` falls back to Megatron-LM's sampler with a line saying so."""
+    from megatron_odc.integration.megatron_lm import flags, version
+    from megatron_odc.integration.megatron_lm.releases import MEGATRON_LM_RELEASES
+    from megatron_odc.runner.log import info_once
+
+    release = next(r for r in MEGATRON_LM_RELEASES if r.tag == tag)
+    monkeypatch.setattr(version, "installed_megatron_lm_release", lambda: release)
+    info_once.cache_clear()
+    for backend in ("odc", "ddp"):
+        if tag in ("core_v0.16.1", "core_v0.17.1"):
+            with pytest.raises(ValueError, match=f"--micro-batch-size 2 on {tag}: its get_batch"):
+                flags.postprocess_odc_args(_args("--dp-backend", backend, micro_batch_size=2))
+        else:
+            with caplog.at_level(logging.INFO, logger="megatron_odc"):
+                args = flags.postprocess_odc_args(
+                    _args("--dp-backend", backend, micro_batch_size=2)
+                )
+            assert args.balance == "none"
+        tp2 = _args("--dp-backend", backend, tensor_model_parallel_size=2)
+        if tag == "core_v0.16.1":
+            with pytest.raises(
+                ValueError, match=r"--tensor-model-parallel-size 2 on core_v0\.16\.1"
+            ):
+                flags.postprocess_odc_args(tp2)
+        else:
+            assert flags.postprocess_odc_args(tp2).tensor_model_parallel_size == 2
+    if tag == "core_v0.19.0":
+        said = [
+            r.getMessage() for r in caplog.records if r.getMessage().startswith("--balance none")
+        ]
+        assert len(said) == 1, said
+        assert "Megatron-LM's sampler" in said[0], said
+        with pytest.raises(ValueError, match="packs several records into each microbatch"):
+            flags.postprocess_odc_args(_args("--balance", "lb_mini", micro_batch_size=2))
+
+
 def test_cpu_flags_and_tensor_parallel_environment(monkeypatch) -> None:
     from megatron_odc.integration.megatron_lm.flags import with_cpu_flags
 
@@ -528,5 +602,5 @@ def test_measured_balance_cost_is_the_same_on_every_rank_and_refused_where_it_ca
     assert flops == (COST, 0.0)
     with pytest.raises(ValueError, match="needs --tensor-model-parallel-size 1"):
         flags.postprocess_odc_args(
-            _args("--balance-cost", "measured", tensor_model_parallel_size=2)
+            _args("--balance-cost", "measured", pipeline_model_parallel_size=2)
         )

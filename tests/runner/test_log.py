@@ -58,3 +58,27 @@ def test_a_second_setup_as_rank_0_drops_the_filter(captured):
     captured[1].seek(0)
     captured[1].truncate()
     assert "job: samples truncated" in _lines(captured, 0)
+
+
+def test_under_megatron_lms_logging_only_rank_0_prints_the_jobs_info(caplog):
+    """The launcher's lines (the flags it set, the loader it built) went out once per rank under
+    Megatron-LM's root logging; ranks other than 0 now keep only warnings and errors."""
+    from megatron_odc.runner.launch_env import launch_rank
+
+    assert launch_rank({"RANK": "3"}) == 3
+    assert launch_rank({"OMPI_COMM_WORLD_RANK": "2"}) == 2
+    assert launch_rank({}) == 0
+    package = logging.getLogger("megatron_odc")
+    saved = package.level
+    try:
+        for rank in (0, 1):
+            package.setLevel(logging.NOTSET)
+            caplog.clear()
+            log.job_info_on_rank_zero(rank)
+            with caplog.at_level(logging.INFO):  # the root's level, as Megatron-LM sets it
+                logging.getLogger("megatron_odc.integration.megatron_lm.flags").info("job line")
+                logging.getLogger("megatron_odc.integration.megatron_lm.data").warning("warned")
+            got = [r.getMessage() for r in caplog.records]
+            assert got == (["job line", "warned"] if rank == 0 else ["warned"]), (rank, got)
+    finally:
+        package.setLevel(saved)

@@ -71,7 +71,8 @@ class BalancedPretrainingLoader:
 
     Args:
         dataset: a map-style dataset of sample dicts.
-        consumed_samples: samples already trained on (a multiple of ``global_batch_size``).
+        consumed_samples: samples already trained on (any number: a resume may change
+            ``--global-batch-size``; the global batches then start there, as Megatron-LM's do).
         global_batch_size: samples per step over all DP ranks.
         dp_rank: this DP rank.
         dp_size: number of DP ranks.
@@ -103,11 +104,6 @@ class BalancedPretrainingLoader:
         max_tokens: int | None = None,
         fixed_shape: bool = False,
     ) -> None:
-        if consumed_samples % global_batch_size:
-            raise ValueError(
-                f"consumed_samples {consumed_samples} is not a multiple of --global-batch-size "
-                f"{global_batch_size}"
-            )
         self.dataset = dataset
         self.global_batch_size = global_batch_size
         self.dp_rank = dp_rank
@@ -119,7 +115,11 @@ class BalancedPretrainingLoader:
         self.microbatch_overhead = microbatch_overhead
         self.max_tokens = seq_length if max_tokens is None else max_tokens
         self.fixed_shape = fixed_shape
-        self.num_global_batches = len(dataset) // global_batch_size
+        # Megatron-LM's sampler takes global batches from consumed_samples on, which a resume with
+        # another --global-batch-size leaves at no multiple of it: batch i starts at
+        # first_sample + i * global_batch_size.
+        self.first_sample = consumed_samples % global_batch_size
+        self.num_global_batches = (len(dataset) - self.first_sample) // global_batch_size
         self.start_index = consumed_samples // global_batch_size
         self.records = len(dataset) > 0 and "cu_seqlens" in dataset[0]
         self.pad_id = _pad_id(dataset) if self.records else None
@@ -161,7 +161,7 @@ class BalancedPretrainingLoader:
     def plan_batch(self, index: int) -> PlannedBatch:
         """Global batch ``index``: its plan, and this rank's microbatches (dataset indices), with the
         collated microbatches already built for records."""
-        offset = index * self.global_batch_size
+        offset = self.first_sample + index * self.global_batch_size
         records: list[dict] = []
         if self.records:
             records = [self.dataset[offset + i] for i in range(self.global_batch_size)]

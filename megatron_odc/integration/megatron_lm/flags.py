@@ -259,6 +259,7 @@ def postprocess_odc_args(args: argparse.Namespace) -> argparse.Namespace:
         delay_wgrad_compute=getattr(args, "delay_wgrad_compute", False),
         use_precision_aware_optimizer=getattr(args, "use_precision_aware_optimizer", False),
     )
+    _refuse_sft_settings_the_tag_cannot_run(args)
     if backend not in ODC_ENGINE_BACKENDS:
         # Megatron-LM's own DDP keeps its sampler unless an equal-count plan is asked for (the
         # packing baseline: the balanced loader's microbatches, the same count on every rank).
@@ -288,6 +289,15 @@ def postprocess_odc_args(args: argparse.Namespace) -> argparse.Namespace:
     simple = args.micro_batch_size == 1 and args.dataloader_type in (None, "single")
     if args.balance is None and not simple:
         args.balance = MEGATRON_SAMPLER
+        info_once(
+            logger,
+            "--balance none: --micro-batch-size %s --dataloader-type %s, and the balanced loader "
+            "needs --micro-batch-size 1 and --dataloader-type single, so Megatron-LM's sampler feeds "
+            "every rank the same count of [micro_batch_size, seq_length] microbatches (no packing "
+            "of real lengths)",
+            args.micro_batch_size,
+            args.dataloader_type or "single",
+        )
     resolve_odc_args(args)
     _check_balanced_loader(args)
     _per_token_loss(args, f"--dp-backend {backend} lets DP ranks run different microbatch counts")
@@ -307,6 +317,35 @@ def postprocess_odc_args(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+def _refuse_sft_settings_the_tag_cannot_run(args: argparse.Namespace) -> None:
+    """``--sft`` settings the installed Megatron-LM fails on under every backend, refused before
+    anything starts (it stopped on a bare assertion, or on an allocation of petabytes with TP).
+
+    Raises:
+        ValueError: naming the tag, the flag and what to use instead.
+    """
+    if not getattr(args, "sft", False):
+        return
+    from megatron_odc.integration.megatron_lm.version import installed_megatron_lm_release
+
+    release = installed_megatron_lm_release()
+    if release.sft_micro_batch_size_one and args.micro_batch_size != 1:
+        raise ValueError(
+            f"--sft with --micro-batch-size {args.micro_batch_size} on {release.tag}: its get_batch "
+            "asserts micro-batch-size 1 for packed records (under every --dp-backend); pass "
+            "--micro-batch-size 1 (--balance packs several records into each microbatch, up to "
+            "--max-tokens-per-microbatch)"
+        )
+    tp = getattr(args, "tensor_model_parallel_size", 1)
+    if not release.sft_tensor_parallel and tp > 1:
+        raise ValueError(
+            f"--sft with --tensor-model-parallel-size {tp} on {release.tag}: its "
+            "get_batch_on_this_tp_rank gives TP ranks other than the first no max_seqlen (under "
+            "every --dp-backend); use --tensor-model-parallel-size 1, or Megatron-LM core_v0.17.1 "
+            "or later"
+        )
+
+
 def balanced_loader_in_use(args: Any) -> bool:
     """Whether the train split is the balanced loader's (``data.py``): a ``--dp-backend`` with a
     ``--balance`` plan, not Megatron-LM's sampler. One fact for every rank of the job, also those
@@ -322,9 +361,11 @@ def _check_balanced_loader(args: argparse.Namespace) -> None:
     if not balanced_loader_in_use(args):
         return
     if args.micro_batch_size != 1:
+        packed = "several records" if getattr(args, "sft", False) else "samples"
         raise ValueError(
             f"--balance {args.balance} with --dp-backend {args.dp_backend} needs --micro-batch-size 1 "
-            f"(got {args.micro_batch_size}); pass --balance none to keep Megatron-LM's sampler"
+            f"(got {args.micro_batch_size}): it packs {packed} into each microbatch up to "
+            "--max-tokens-per-microbatch; or pass --balance none to keep Megatron-LM's sampler"
         )
     if args.dataloader_type not in (None, "single"):
         raise ValueError(

@@ -239,6 +239,11 @@ class MegatronLmRelease:
             the ``cu_seqlens`` of an ``--sft`` microbatch (from ``core_v0.17.1``); without them a
             middle stage attends across the records the balanced loader packs together, so
             ``--sft`` with more than 2 stages is refused there (``flags.py``).
+        sft_micro_batch_size_one: whether the tag's ``get_batch`` asserts ``--micro-batch-size 1``
+            for ``--sft``'s packed records (``core_v0.16.1``, ``core_v0.17.1``), under every backend.
+        sft_tensor_parallel: whether ``--sft`` runs with TP > 1 (``core_v0.16.1``'s
+            ``get_batch_on_this_tp_rank`` gives TP ranks other than the first no ``max_seqlen``,
+            under every backend).
         notes: what changed against the previous row.
     """
 
@@ -251,6 +256,8 @@ class MegatronLmRelease:
     model_builders: tuple[str, ...]
     sft_tokenizer: str | None
     sft_middle_stages_packed: bool = True
+    sft_micro_batch_size_one: bool = False
+    sft_tensor_parallel: bool = True
     notes: str = ""
 
 
@@ -265,6 +272,8 @@ MEGATRON_LM_RELEASES: tuple[MegatronLmRelease, ...] = (
         model_builders=(f"{_TRAINING}.get_model",),
         sft_tokenizer="megatron.training.tokenizer.sft_tokenizer",
         sft_middle_stages_packed=False,
+        sft_micro_batch_size_one=True,
+        sft_tensor_parallel=False,
     ),
     MegatronLmRelease(
         tag="core_v0.17.1",
@@ -275,6 +284,7 @@ MEGATRON_LM_RELEASES: tuple[MegatronLmRelease, ...] = (
         cpu_shims=_CPU_SHIMS_017,
         model_builders=(f"{_TRAINING}.get_model",),
         sft_tokenizer="megatron.core.tokenizers.text.libraries.sft_tokenizer",
+        sft_micro_batch_size_one=True,
         notes="the megatron-core wheel ships megatron/training (the launcher puts the checkout first); "
         "free_overlap_buffers() on every chunk before a save; SFTTokenizer moves to megatron-core",
     ),
