@@ -604,3 +604,34 @@ def test_measured_balance_cost_is_the_same_on_every_rank_and_refused_where_it_ca
         flags.postprocess_odc_args(
             _args("--balance-cost", "measured", pipeline_model_parallel_size=2)
         )
+
+
+def test_a_record_megatron_lms_dataset_cannot_build_is_named_in_one_line(monkeypatch) -> None:
+    """core_v0.16.1's SFTDataset raised a bare ``TypeError`` on a record longer than --seq-length
+    (``pack_tokens.extend(pad)``), an empty ``messages`` an ``IndexError``: the balanced loader
+    names the sample, its record and file, and for that tag the likely cause."""
+    from megatron_odc.integration.megatron_lm import version
+    from megatron_odc.integration.megatron_lm.data import read_sample
+    from megatron_odc.integration.megatron_lm.releases import MEGATRON_LM_RELEASES
+
+    class _Broken(_Records):
+        indices = tuple(range(7, 40))
+        dataset_path = "/data/chats.jsonl"
+
+        def __getitem__(self, i: int) -> dict:
+            if i == 3:
+                raise TypeError("'int' object is not iterable")
+            if i == 5:
+                raise IndexError("list index out of range")
+            return super().__getitem__(i)
+
+    monkeypatch.setattr(version, "installed_megatron_lm_release", lambda: MEGATRON_LM_RELEASES[0])
+    loader = _loaders(_Broken([20] * 16), "lb_mini")[0]
+    with pytest.raises(ValueError, match="could not build sample 3 of the train split") as error:
+        loader.plan_batch(0)
+    message = str(error.value)
+    assert "(record 10: line 11 of /data/chats.jsonl" in message, message
+    assert "TypeError: 'int' object is not iterable; core_v0.16.1's SFTDataset" in message, message
+    assert "\n" not in message
+    with pytest.raises(ValueError, match=r"sample 5 .* IndexError: list index out of range$"):
+        read_sample(loader.dataset, 5)  # no hint for another error

@@ -121,7 +121,7 @@ class BalancedPretrainingLoader:
         self.first_sample = consumed_samples % global_batch_size
         self.num_global_batches = (len(dataset) - self.first_sample) // global_batch_size
         self.start_index = consumed_samples // global_batch_size
-        self.records = len(dataset) > 0 and "cu_seqlens" in dataset[0]
+        self.records = len(dataset) > 0 and "cu_seqlens" in read_sample(dataset, 0)
         self.pad_id = _pad_id(dataset) if self.records else None
         if self.records and fixed_shape and self.max_tokens != seq_length:
             raise ValueError(
@@ -164,7 +164,7 @@ class BalancedPretrainingLoader:
         offset = self.first_sample + index * self.global_batch_size
         records: list[dict] = []
         if self.records:
-            records = [self.dataset[offset + i] for i in range(self.global_batch_size)]
+            records = [read_sample(self.dataset, offset + i) for i in range(self.global_batch_size)]
             lengths = [record_length(r, self.pad_id) for r in records]
         else:
             lengths = [self.seq_length] * self.global_batch_size
@@ -208,6 +208,38 @@ class PlannedBatch:
     microbatches: tuple[tuple[int, ...], ...]
     batches: tuple[dict[str, torch.Tensor], ...] | None
     plan: Plan
+
+
+def read_sample(dataset: Any, index: int) -> dict:
+    """``dataset[index]``, or one line naming the sample (and its record and file, for an
+    ``SFTDataset``) and what Megatron-LM's dataset code raised on it: a record it cannot tokenize or
+    truncate is the user's data, not a bug of the run.
+
+    Raises:
+        ValueError: the sample could not be built.
+    """
+    try:
+        return dataset[index]
+    except Exception as error:  # the user's data through Megatron-LM's code: any error
+        where = ""
+        indices, path = getattr(dataset, "indices", None), getattr(dataset, "dataset_path", None)
+        if indices is not None and len(indices) and path:
+            record = int(indices[index % len(indices)])
+            where = f" (record {record}: line {record + 1} of {path} if it holds one per line)"
+        hint = ""
+        if isinstance(error, TypeError):
+            from megatron_odc.integration.megatron_lm.version import installed_megatron_lm_release
+
+            release = installed_megatron_lm_release()
+            if release.sft_long_records_fail:
+                hint = (
+                    f"; {release.tag}'s SFTDataset fails so on a record longer than --seq-length: "
+                    "raise --seq-length above the longest record, or shorten it"
+                )
+        raise ValueError(
+            f"--balance: Megatron-LM's {type(dataset).__name__} could not build sample {index} of "
+            f"the train split{where}: {type(error).__name__}: {error}{hint}"
+        ) from error
 
 
 def _pad_id(dataset: Any) -> int:

@@ -244,6 +244,9 @@ class MegatronLmRelease:
         sft_tensor_parallel: whether ``--sft`` runs with TP > 1 (``core_v0.16.1``'s
             ``get_batch_on_this_tp_rank`` gives TP ranks other than the first no ``max_seqlen``,
             under every backend).
+        sft_long_records_fail: whether the tag's ``SFTDataset`` fails on a record longer than
+            ``--seq-length`` instead of truncating it (``core_v0.16.1``: ``pack_tokens.extend(pad)``
+            raises ``TypeError``), under every backend; the balanced loader names the record.
         notes: what changed against the previous row.
     """
 
@@ -258,6 +261,7 @@ class MegatronLmRelease:
     sft_middle_stages_packed: bool = True
     sft_micro_batch_size_one: bool = False
     sft_tensor_parallel: bool = True
+    sft_long_records_fail: bool = False
     notes: str = ""
 
 
@@ -274,6 +278,7 @@ MEGATRON_LM_RELEASES: tuple[MegatronLmRelease, ...] = (
         sft_middle_stages_packed=False,
         sft_micro_batch_size_one=True,
         sft_tensor_parallel=False,
+        sft_long_records_fail=True,
     ),
     MegatronLmRelease(
         tag="core_v0.17.1",
