@@ -245,3 +245,32 @@ def test_moe_auxiliary_losses_under_the_balanced_loader_are_named_once(caplog) -
     with caplog.at_level("WARNING", logger="megatron_odc"):
         postprocess_odc_args(args)
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_megatron_lms_argument_assertions_become_one_line() -> None:
+    """``validate_args`` refuses arguments with ``assert`` (a bare traceback through the launcher):
+    the patched one names the message and where it was raised, as a ``ValueError`` the launcher
+    prints in one line; with an empty message, the asserting line."""
+    from megatron_odc.integration.megatron_lm.flags import wrap_validate_args
+
+    def original(args, defaults={}):  # noqa: B006 - Megatron-LM's signature
+        assert args.global_batch_size % 2 == 0, (
+            f"global batch size ({args.global_batch_size}) is not divisible by micro batch size (1) "
+            "times data parallel size (2)"
+        )
+        # a bare assert has no message (and pytest rewrites this file's asserts): the line counts
+        if args.global_batch_size <= 0:
+            raise AssertionError
+        return args
+
+    validate = wrap_validate_args(original)
+    with pytest.raises(ValueError, match=r"refused the arguments: global batch size \(15\)") as e:
+        validate(argparse.Namespace(global_batch_size=15))
+    assert "(test_megatron_lm_flags.py line " in str(e.value)
+    with pytest.raises(
+        ValueError,
+        match=r"arguments: raise AssertionError \(test_megatron_lm_flags\.py line \d+\)$",
+    ):
+        validate(argparse.Namespace(global_batch_size=-2))
+    good = argparse.Namespace(global_batch_size=16)
+    assert validate(good) is good

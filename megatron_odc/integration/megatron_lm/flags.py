@@ -21,6 +21,7 @@ import functools
 import logging
 import os
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -499,6 +500,25 @@ def _refuse_after_validation(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+def _one_line_assertions(original: Callable, args: Any, defaults: dict) -> Any:
+    """``original(args, defaults)``, its ``AssertionError`` (how Megatron-LM's ``validate_args``
+    refuses arguments, e.g. a global batch size DP does not divide) turned into one line naming it
+    and where it was raised, which the launcher prints without a traceback.
+
+    Raises:
+        ValueError: Megatron-LM refused the arguments.
+    """
+    try:
+        return original(args, defaults)
+    except AssertionError as error:
+        frame = traceback.extract_tb(error.__traceback__)[-1]
+        said = " ".join((str(error) or frame.line or "assertion failed").split())
+        raise ValueError(
+            f"Megatron-LM's validate_args refused the arguments: {said} "
+            f"({os.path.basename(frame.filename)} line {frame.lineno})"
+        ) from error
+
+
 def wrap_validate_args(original: Callable) -> Callable:
     """``validate_args`` that lets ``--fp8-param-gather`` through for the ODC engine's backends and
     then refuses what only validated arguments show (:func:`_refuse_after_validation`).
@@ -515,9 +535,9 @@ def wrap_validate_args(original: Callable) -> Callable:
     def validate_args(args, defaults={}):  # noqa: B006 - Megatron-LM's own signature and default
         backend = getattr(args, "dp_backend", None)
         if backend not in ODC_ENGINE_BACKENDS or not getattr(args, "fp8_param_gather", False):
-            return _refuse_after_validation(original(args, defaults))
+            return _refuse_after_validation(_one_line_assertions(original, args, defaults))
         with torch.no_grad():
-            result = _refuse_after_validation(original(args, defaults))
+            result = _refuse_after_validation(_one_line_assertions(original, args, defaults))
         logger.info(
             "--fp8-param-gather with --dp-backend %s: ODC shards, fetches and re-quantises the FP8 "
             "parameters (Megatron-LM's distributed-optimizer requirement does not apply)",
