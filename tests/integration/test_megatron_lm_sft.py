@@ -635,3 +635,50 @@ def test_a_record_megatron_lms_dataset_cannot_build_is_named_in_one_line(monkeyp
     assert "\n" not in message
     with pytest.raises(ValueError, match=r"sample 5 .* IndexError: list index out of range$"):
         read_sample(loader.dataset, 5)  # no hint for another error
+
+
+def test_an_sft_jsonl_the_reader_fails_on_is_named_by_file_and_line(monkeypatch, tmp_path) -> None:
+    """Megatron-LM's SFT reader (``datasets``' JSON builder) ended an empty file with a bare
+    ``StopIteration`` and a malformed line with a ``DatasetGenerationError`` traceback: with ``--sft``
+    the reader's error becomes one line naming the file and line (a stand-in reader here)."""
+    import json
+
+    from megatron_odc.integration.megatron_lm import sft_data
+
+    class SFTLowLevelDataset:
+        def __init__(self, dataset_path: str) -> None:
+            with open(dataset_path) as lines:
+                self.records = [json.loads(line) for line in lines]
+            if not self.records:
+                raise StopIteration
+
+    module = types.ModuleType(sft_data.SFT_DATASET_MODULE)
+    module.SFTLowLevelDataset = SFTLowLevelDataset
+    monkeypatch.setitem(sys.modules, sft_data.SFT_DATASET_MODULE, module)
+    assert sft_data.name_bad_sft_data()
+    assert sft_data.name_bad_sft_data()  # a second call does not wrap twice
+    original = SFTLowLevelDataset.__init__.__megatron_odc_original__
+    assert not hasattr(original, "__megatron_odc_original__")
+    good = '{"messages": [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]}'
+    cases = {
+        "empty.jsonl": ("", "empty.jsonl: holds no records"),
+        "bad.jsonl": (f"{good}\n{{oops\n", "bad.jsonl:2: invalid JSON"),
+        "system.jsonl": (
+            good[:-2] + ', {"role": "system", "content": "s"}]}\n',
+            "system.jsonl:1: a conversation holds a system message alone",
+        ),
+    }
+    for name, (text, named) in cases.items():
+        path = tmp_path / name
+        path.write_text(text)
+        if name == "system.jsonl":  # the stand-in reads it; the wrapper is not reached
+            assert len(SFTLowLevelDataset(str(path)).records) == 1
+            assert named in sft_data.first_problem(str(path))
+            continue
+        with pytest.raises(ValueError, match=r"^--sft data ") as error:
+            SFTLowLevelDataset(str(path))
+        assert named in str(error.value), error.value
+        assert "\n" not in str(error.value)
+    (tmp_path / "good.jsonl").write_text(good + "\n")
+    assert len(SFTLowLevelDataset(str(tmp_path / "good.jsonl")).records) == 1
+    assert sft_data.first_problem(str(tmp_path / "good.jsonl")) is None

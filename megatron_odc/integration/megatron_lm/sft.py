@@ -17,6 +17,8 @@ adapter of its ``SFTTokenizer``.
   tokenizer reads both results itself (no adapter). The launcher applies it with its patches;
   a patched Megatron-LM source (``patches/``, no launcher) gets it from :func:`apply_sft_args`
   (:func:`adapt_sft_tokenizer`, for the rest of the process), on every device.
+- :func:`apply_sft_args` also has a JSONL the SFT reader fails on named, file and line
+  (``sft_data.py``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+from megatron_odc.integration.megatron_lm.sft_data import name_bad_sft_data
 from megatron_odc.runner.log import info_once
 
 logger = logging.getLogger(__name__)
@@ -43,6 +46,7 @@ def apply_sft_args(args: argparse.Namespace) -> argparse.Namespace:
     from megatron_odc.integration.megatron_lm.version import installed_megatron_lm_release
 
     adapt_sft_tokenizer(installed_megatron_lm_release().sft_tokenizer)
+    name_bad_sft_data()
     changed = []
     if hasattr(args, "legacy_tokenizer") and not args.legacy_tokenizer:
         args.legacy_tokenizer = True
