@@ -25,6 +25,7 @@ import multiprocessing
 import os
 import pickle
 import shutil
+import sys
 import tempfile
 import time
 import traceback
@@ -275,3 +276,16 @@ def _collect(
     if problems:
         raise RankFailureError("\n".join(problems))
     return results
+
+
+def torchrun_command(nproc: int) -> list[str]:
+    """``python -m torch.distributed.run`` on ``nproc`` local ranks; ``--standalone``: torchrun binds
+    a free port itself, where a port picked beforehand may be taken meanwhile."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+    ]

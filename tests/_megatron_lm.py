@@ -28,6 +28,7 @@ from megatron_odc.integration.megatron_lm.sft_example import (
     write_chats_of_lengths,
     write_tokenizer,
 )
+from tests._dist import torchrun_command
 from tests._mpi import mpi_env, mpiexec_command
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -124,19 +125,6 @@ def _env() -> dict[str, str]:
         "OMP_NUM_THREADS": "1",
         "CUDA_DEVICE_MAX_CONNECTIONS": "1",
     }
-
-
-def torchrun_command(nproc: int) -> list[str]:
-    """``python -m torch.distributed.run`` on ``nproc`` local ranks; ``--standalone``: torchrun binds
-    a free port itself, where a port picked beforehand may be taken meanwhile."""
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(nproc),
-    ]
 
 
 def pretrain_gpt_losses(

@@ -101,39 +101,36 @@ def _train(transport: str, offload_after: int | None) -> dict:
 
 
 def _step_refusing_offload(model, optimizer, batches, seq_length: int, out: dict) -> dict:
-    """``train_step`` in its parts, with what must not disturb it in between: a weight-sync iterator
-    paused across the step (resumed after it: refused, where it read freed memory), and an offload
-    after the schedule, before the optimizer step (refused before anything moves; it freed the
-    optimizer's tensors first). The run stays bitwise the plain one."""
+    """``train_step`` with what must not disturb it: a weight-sync iterator paused across the step
+    (resumed after it: refused, where it read freed memory), and an offload after the schedule,
+    before the optimizer step (through ``train_step``'s ``phase`` hook; refused before anything
+    moves, where it freed the optimizer's tensors first). The run stays bitwise the plain one."""
+    import contextlib
+
     from megatron_odc.mcore.rl.offload import offload
     from megatron_odc.mcore.rl.weight_sync import iter_full_weights
-    from megatron_odc.mcore.step import forward_backward, gpt_forward_step
+    from megatron_odc.mcore.step import gpt_forward_step, train_step
+
+    def phase(name: str):
+        if name == "optimizer step":
+            try:
+                offload([model], optimizer)
+                out["offload_mid_step"] = "not refused"
+            except RuntimeError as error:
+                out["offload_mid_step"] = str(error)
+        return contextlib.nullcontext()
 
     paused = iter_full_weights(model)
     next(paused)
-    model.zero_grad_buffer()
-    optimizer.zero_grad()
-    losses = forward_backward(
-        forward_step_func=gpt_forward_step,
-        data_iterator=iter(batches),
-        model=[model],
-        num_microbatches=len(batches),
-        seq_length=seq_length,
-        micro_batch_size=1,
-        forward_only=False,
+    report = train_step(
+        model, optimizer, gpt_forward_step, batches, seq_length=seq_length, phase=phase
     )
-    try:
-        offload([model], optimizer)
-        out["offload_mid_step"] = "not refused"
-    except RuntimeError as error:
-        out["offload_mid_step"] = str(error)
-    _, grad_norm, _ = optimizer.step()
     try:
         next(paused)
         out["resumed_iterator"] = "not refused"
     except RuntimeError as error:
         out["resumed_iterator"] = str(error)
-    return {"losses": losses, "grad_norm": grad_norm}
+    return report
 
 
 def _run(rank: int, world_size: int) -> dict:

@@ -33,7 +33,7 @@ import pytest
 from megatron_odc.core.fp8 import transformer_engine_available
 from megatron_odc.data.preprocess import preprocess
 from megatron_odc.runner.arguments import build_parser, validate_args
-from tests._dist import run_ranks
+from tests._dist import run_ranks, torchrun_command
 from tests._mpi import mpi_env, mpiexec_command, requires_mpi
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -164,19 +164,9 @@ SUMMARY_LINE = re.compile(r"training finished .*first lm loss: (\S+) \| final lm
 
 
 def _torchrun_command(module: str, argv: list[str], nproc: int = 2) -> list[str]:
-    """``python -m torch.distributed.run`` of ``module`` on ``nproc`` CPU ranks (``--standalone``:
-    torchrun binds a free port itself, where a port picked beforehand may be taken meanwhile)."""
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(nproc),
-        "-m",
-        module,
-        *argv,
-    ]
+    """``python -m torch.distributed.run`` of ``module`` on ``nproc`` CPU ranks
+    (``tests._dist.torchrun_command``)."""
+    return [*torchrun_command(nproc), "-m", module, *argv]
 
 
 def _torchrun_status(

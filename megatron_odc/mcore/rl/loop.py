@@ -279,9 +279,8 @@ def get_forward_backward_func(*args: Any, **kwargs: Any) -> Callable:
     def schedule(*, forward_step_func: Callable, model: Any, **call: Any) -> list:
         chunks = model if isinstance(model, list) else [model]
         check_lockstep_counts(chunks[0], call.get("num_microbatches"))
-        if not call.get("forward_only", False):
-            refuse_training_a_frozen_model(chunks)
         if not call.get("forward_only", False):  # a forward-only loss trains nothing: any tuple
+            refuse_training_a_frozen_model(chunks)
             name, _ = contract_of(get_model_config(chunks[0]))
             forward_step_func = checked_forward_step(forward_step_func, name)
         return forward_backward(forward_step_func=forward_step_func, model=model, **call)
